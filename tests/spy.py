@@ -1,0 +1,56 @@
+"""Record every torch.distributed call a process makes (op name and the global ranks of its group)."""
+
+import contextlib
+
+import torch.distributed as tdist
+
+COLLECTIVES = [
+    "all_reduce", "all_reduce_coalesced", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier",
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "_all_gather_base", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single", "scatter", "gather",
+    "batch_isend_irecv"
+]
+POINT_TO_POINT = ["send", "recv", "isend", "irecv"]
+
+
+def _group_ranks(group):
+    if group is None or group is tdist.GroupMember.WORLD:
+        return tuple(range(tdist.get_world_size()))
+    return tuple(tdist.get_process_group_ranks(group))
+
+
+@contextlib.contextmanager
+def record_distributed_calls():
+    """Yields a list that fills with ``(op, group_ranks, peer)`` for every call made inside the block."""
+    calls = []
+    originals = {}
+
+    def wrap(name, fn):
+
+        def spy(*args, **kwargs):
+            group = kwargs.get("group")
+            peer = None
+            if name in POINT_TO_POINT:
+                peer = kwargs.get("dst", kwargs.get("src"))
+                if peer is None and len(args) > 1:
+                    peer = args[1]
+            calls.append((name, _group_ranks(group), peer))
+            return fn(*args, **kwargs)
+
+        return spy
+
+    for name in COLLECTIVES + POINT_TO_POINT:
+        if hasattr(tdist, name):
+            originals[name] = getattr(tdist, name)
+            setattr(tdist, name, wrap(name, originals[name]))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(tdist, name, fn)
+
+
+def cross_stage_collectives(calls, stage_of_rank):
+    """The collectives among ``calls`` whose group holds ranks of more than one pipeline stage."""
+    return [(op, ranks) for op, ranks, _ in calls
+            if op in COLLECTIVES and len({stage_of_rank[r] for r in ranks}) > 1]

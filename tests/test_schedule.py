@@ -1,0 +1,171 @@
+"""PACI instruction streams as data: properties, text form, and agreement with DeepSpeed's TrainSchedule."""
+
+import itertools
+
+import pytest
+from deepspeed.runtime.pipe import schedule as ds
+
+from ds_paci.schedule import (LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction, format_stream,
+                              num_buffers, pairing_violations, parse_instruction, parse_stream, stream_violations)
+
+
+def build(P, M, a, calls=3, drain=True):
+    """Per stage, a list of segments; one segment = the ticks between two drains."""
+    streams = [PACIStream(P, s, a) for s in range(P)]
+    segments = [[[]] for _ in range(P)]
+    for _ in range(calls):
+        for s, st in enumerate(streams):
+            segments[s][-1].extend(st.advance(2 * M))
+    if drain:
+        for s, st in enumerate(streams):
+            segments[s][-1].extend(st.drain())
+    return streams, segments
+
+
+def flat(segments):
+    return [tick for seg in segments for tick in seg]
+
+
+@pytest.mark.parametrize("P", range(1, 9))
+def test_stream_properties_over_grid(P):
+    """Forward before backward, pairing, in-flight <= P-s, one step per a backwards, drift bound, empty after drain."""
+    for M, a in itertools.product(range(1, 17), range(1, 17)):
+        streams, segments = build(P, M, a, calls=2)
+        # a second segment after the first drain: ids keep increasing, windows restart
+        for s, st in enumerate(streams):
+            segments[s].append(st.advance(2 * M) + st.drain())
+        for s in range(P):
+            version = 0
+            for seg in segments[s]:
+                errors = stream_violations(seg, P, s, a, start_version=version)
+                assert not errors, f"P={P} M={M} a={a}: {errors[:3]}"
+                version += sum(isinstance(i, LocalStep) for t in seg for i in t)
+            assert streams[s].in_flight() == 0 and streams[s].window_fill == 0
+        errors = pairing_violations([flat(seg) for seg in segments])
+        assert not errors, f"P={P} M={M} a={a}: {errors[:3]}"
+        # every stage completed the same micro-batches: 3 calls of M
+        for s in range(P):
+            backs = [i.micro_batch_id for t in flat(segments[s]) for i in t if isinstance(i, ds.BackwardPass)]
+            assert backs == list(range(3 * M))
+
+
+def test_window_steps_and_drift_in_steady_state():
+    P, M, a = 8, 8, 4
+    streams, segments = build(P, M, a, calls=6)
+    for s in range(P):
+        ticks = flat(segments[s])
+        steps = [i for t in ticks for i in t if isinstance(i, LocalStep)]
+        assert [x.version for x in steps] == list(range(1, 6 * M // a + 1))
+        # the bound is attained in steady state (it is tight, not just an upper bound)
+        version, fwd, drifts = 0, {}, []
+        for t in ticks:
+            for i in t:
+                if isinstance(i, ds.ForwardPass):
+                    fwd[i.micro_batch_id] = version
+                elif isinstance(i, ds.BackwardPass):
+                    drifts.append(version - fwd.pop(i.micro_batch_id))
+                elif isinstance(i, LocalStep):
+                    version = i.version
+        assert max(drifts) == drift_bound(P, s, a)
+
+
+def test_every_call_advances_every_stage_by_2m_ticks_and_stage0_loads_m():
+    P, M, a = 4, 3, 3
+    streams = [PACIStream(P, s, a) for s in range(P)]
+    for call in range(4):
+        ticks = [st.advance(2 * M) for st in streams]
+        assert {len(t) for t in ticks} == {2 * M}
+        loads = [i.micro_batch_id for t in ticks[0] for i in t if isinstance(i, ds.LoadMicroBatch)]
+        assert loads == list(range(call * M, (call + 1) * M))
+        assert streams[0].in_flight() <= P and streams[P - 1].in_flight() <= 1
+
+
+def test_literal_streams_p2_m2_a2():
+    """The whole two-stage stream for two calls and the drain, written out."""
+    P, M, a = 2, 2, 2
+    streams, segments = build(P, M, a, calls=2)
+    assert format_stream(flat(segments[0])) == ("L0,F0 | SA0 | L1,F1 | RG0,SA1,B0,ACC0 | "
+                                                "L2,F2 | RG1,SA2,B1,ACC1,STEP1 | L3,F3 | RG2,SA3,B2,ACC2 | "
+                                                "- | RG3,B3,ACC3,STEP2")
+    assert format_stream(flat(segments[1])) == ("- | RA0,L0,F0 | B0,ACC0 | SG0,RA1,L1,F1 | B1,ACC1,STEP1 | "
+                                                "SG1,RA2,L2,F2 | B2,ACC2 | SG2,RA3,L3,F3 | B3,ACC3,STEP2 | SG3")
+
+
+def test_text_form_round_trips():
+    P, M, a = 5, 4, 3
+    streams, segments = build(P, M, a, calls=3)
+    for s in range(P):
+        ticks = flat(segments[s])
+        text = format_stream(ticks)
+        again = parse_stream(text, num_buffers(P, s))
+        assert format_stream(again) == text
+        for t1, t2 in zip(ticks, again):
+            for i1, i2 in zip(t1, t2):
+                assert type(i1) is type(i2) and i1.kwargs == i2.kwargs
+    for bad in ("X3", "F", "F-1", "STEPx", "F3,"):
+        with pytest.raises(ValueError):
+            parse_instruction(bad, 2)
+    assert format_instruction(LocalStep(7)) == "STEP7"
+    assert format_instruction(LocalAccumulate(1, micro_batch_id=5)) == "ACC5"
+
+
+@pytest.mark.parametrize("P,M", [(1, 1), (2, 4), (3, 2), (4, 4), (5, 3), (8, 8), (8, 2)])
+def test_sync_mode_equals_deepspeed_train_schedule(P, M):
+    """advance(2M) + drain() with a = M runs DeepSpeed's TrainSchedule, instruction for instruction.
+
+    Differences allowed by construction: PACI marks each backward with ACC and puts the
+    step (STEP, stage-local) right after the stage's last backward instead of
+    ReduceTiedGrads/ReduceGrads/OptimizerStep at the last tick; buffer ids may differ
+    when M < P - s (DeepSpeed allocates min(P - s, M) buffers).
+    """
+    compute = (ds.LoadMicroBatch, ds.ForwardPass, ds.BackwardPass, ds.SendActivation, ds.RecvActivation,
+               ds.SendGrad, ds.RecvGrad)
+    for s in range(P):
+        st = PACIStream(P, s, M)
+        ours = st.advance(2 * M) + st.drain()
+        theirs = list(ds.TrainSchedule(micro_batches=M, stages=P, stage_id=s).steps())
+        assert len(ours) == len(theirs)
+        for t, (mine, stock) in enumerate(zip(ours, theirs)):
+            assert [type(i) for i in mine if isinstance(i, compute)] == \
+                [type(i) for i in stock if isinstance(i, compute)], f"stage {s} tick {t}: {format_stream([mine])} vs {stock}"
+            nbuf = max(2, min(P - s, M))
+            assert [i.micro_batch_id % nbuf for i in mine if isinstance(i, compute)] == \
+                [i.buffer_id for i in stock if isinstance(i, compute)]
+        assert sum(isinstance(i, LocalStep) for t in ours for i in t) == 1
+
+
+def test_validator_catches_broken_streams():
+    P, M, a = 3, 4, 2
+    streams, segments = build(P, M, a, calls=2)
+    ticks = flat(segments[0])
+    # backward before forward: swap the first forward tick and the first backward tick
+    fi = next(k for k, t in enumerate(ticks) if any(isinstance(i, ds.ForwardPass) for i in t))
+    bi = next(k for k, t in enumerate(ticks) if any(isinstance(i, ds.BackwardPass) for i in t))
+    broken = list(ticks)
+    broken[fi], broken[bi] = broken[bi], broken[fi]
+    assert stream_violations(broken, P, 0, a)
+    # a missing step
+    no_step = [[i for i in t if not isinstance(i, LocalStep)] for t in ticks]
+    assert any("without a step" in e or "open" in e for e in stream_violations(no_step, P, 0, a))
+    # truncated stream: still in flight
+    assert any("in flight" in e for e in stream_violations(ticks[:10], P, 0, a))
+    # mismatched pairing: drop one RecvActivation on stage 1
+    s1 = [[i for i in t if not (isinstance(i, ds.RecvActivation) and i.micro_batch_id == 2)]
+          for t in flat(segments[1])]
+    assert pairing_violations([ticks, s1, flat(segments[2])])
+
+
+def test_stream_state_round_trip_and_window_change():
+    st = PACIStream(4, 1, 2)
+    st.advance(8)
+    with pytest.raises(RuntimeError):
+        st.state_dict()
+    st.drain()
+    state = st.state_dict()
+    fresh = PACIStream(4, 1, 2)
+    fresh.load_state_dict(state)
+    assert format_stream(fresh.advance(6)) == format_stream(st.advance(6))
+    with pytest.raises(ValueError):
+        PACIStream(4, 1, 0)
+    with pytest.raises(ValueError):
+        PACIStream(4, 4, 1)
