@@ -1,0 +1,235 @@
+"""PACIPipelineEngine in real processes over gloo, with real DeepSpeed engines, models and data."""
+
+import math
+import time
+
+import pytest
+import torch
+
+import workers
+from harness import run_world
+from mlp import DIM, layer_weights, regression_batches
+from ds_paci.schedule import LocalStep, PACIStream, drift_bound
+from deepspeed.runtime.pipe import schedule as ds
+from spy import COLLECTIVES, POINT_TO_POINT, cross_stage_collectives
+
+
+def max_weight_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# -- sync mode is the stock engine --------------------------------------------------------
+@pytest.mark.parametrize("stages,bf16,client_optimizer", [(2, False, True), (4, False, False), (2, True, False)],
+                         ids=["P2-fp32-torch.optim", "P4-fp32-configured-AdamW", "P2-bf16-configured-AdamW"])
+def test_sync_mode_reproduces_stock_engine(stages, bf16, client_optimizer):
+    results = run_world(workers.stock_vs_sync, stages, stages, 5, 4, bf16, client_optimizer, timeout=240)
+    last = results[-1]
+    assert last["stock"]["type"] == "PipelineEngine" and last["sync"]["type"] == "PACIPipelineEngine"
+    stock, sync = last["stock"]["losses"], last["sync"]["losses"]
+    assert len(stock) == 5 and all(x is not None for x in sync)
+    assert max(abs(a - b) for a, b in zip(stock, sync)) <= 1e-6, (stock, sync)
+    assert stock[-1] < stock[0]  # it trained
+    for rank, r in enumerate(results):
+        assert max_weight_diff(r["stock"]["weights"], r["sync"]["weights"]) <= 1e-6, f"stage {rank}"
+    # the spy catches the stock engine's cross-stage collectives (loss broadcast); sync-mode PACI issues none
+    for r in results:
+        assert cross_stage_collectives(r["stock"]["calls"], r["stock"]["stage_of_rank"])
+        assert not cross_stage_collectives(r["sync"]["calls"], r["sync"]["stage_of_rank"])
+
+
+# -- async mode: trains, drift within bound, no cross-stage collective ------------------------
+@pytest.mark.parametrize("stages", [2, 4])
+def test_async_trains_with_bounded_drift_and_no_cross_stage_collective(stages):
+    gas, batches = 4, 14
+    results = run_world(workers.async_training, stages, stages, batches, gas, timeout=240)
+    last = results[-1]
+    losses = [x for x in last["losses"] if x is not None]
+    assert len(losses) == batches
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    for r in results[:-1]:
+        assert all(x is None for x in r["losses"]), "only the last stage returns a loss"
+    for s, r in enumerate(results):
+        st = r["stats"]
+        assert st["stage"] == s
+        bound = drift_bound(stages, s, gas)
+        assert st["drift_bound"] == bound and st["max_drift"] <= bound
+        assert max(d for _, d in r["recent"]) <= bound
+        if s < stages - 1:
+            assert st["max_drift"] == bound, "steady-state micro-batches cross a local step at every non-last stage"
+        # a = M: one local step per call in steady state, everything completes after the drain
+        assert st["micro_batches"] == batches * gas and st["local_steps"] == batches and st["in_flight"] == 0
+        if s == 0:  # nothing was flushed at the call boundaries
+            assert r["stats_before_drain"]["in_flight"] == stages - 1
+        # the spy: collectives inside train_batch stay within one stage; p2p only to neighbours
+        crossing = cross_stage_collectives(r["calls"], r["stage_of_rank"])
+        assert not crossing, f"stage {s} issued cross-stage collectives: {crossing[:5]}"
+        assert any(op in POINT_TO_POINT for op, _, _ in r["calls"])
+        peers = {r["stage_of_rank"][p] for op, _, p in r["calls"] if op in POINT_TO_POINT}
+        assert peers <= {s - 1, s + 1}
+
+
+def test_async_with_window_smaller_than_pipeline_depth_respects_bound():
+    """a = 1 on 4 stages: stage 0 crosses up to 3 versions, and still trains."""
+    results = run_world(workers.async_training, 4, 4, 6, 2, 1, timeout=240)
+    for s, r in enumerate(results):
+        assert r["stats"]["max_drift"] == drift_bound(4, s, 1) == 3 - s
+        assert r["stats"]["local_steps"] == 6 * 2
+    losses = results[-1]["losses"]
+    assert all(math.isfinite(x) for x in losses)
+
+
+# -- the PACI gradient ---------------------------------------------------------------------
+def reference_paci_mlp(P, layers, gas, window, calls, lr, stale=False, seed=7):
+    """PACI on the tanh MLP, written out by hand (no autograd).
+
+    Each stage follows its PACI stream in tick order. A forward uses the weights current
+    at that moment and saves each layer's input and output. A backward computes weight
+    gradients from those saved activations and passes the input gradient through the
+    weights current *at backward time* (``stale=True``: the weights of the forward, as a
+    weight-stashing scheme would). The last stage's loss is scaled by ``1/window``.
+    """
+    per_stage = layers // P
+    W = [list(map(lambda t: t.double(), layer_weights(i, seed))) for i in range(layers)]
+    gW = [[torch.zeros_like(w), torch.zeros_like(b)] for w, b in W]
+    gen = regression_batches(workers.MICRO)
+    batches, saved, acts, grads, losses = {}, {}, {}, {}, []
+    streams = [PACIStream(P, s, window) for s in range(P)]
+    schedule = [[] for _ in range(P)]
+    for _ in range(calls):
+        for s in range(P):
+            schedule[s] += streams[s].advance(2 * gas)
+    for s in range(P):
+        schedule[s] += streams[s].drain()
+    for t in range(max(map(len, schedule))):
+        for s in range(P):
+            for ins in schedule[s][t] if t < len(schedule[s]) else []:
+                m = getattr(ins, "micro_batch_id", None)
+                mine = range(s * per_stage, (s + 1) * per_stage)
+                if isinstance(ins, ds.LoadMicroBatch) and s == 0:
+                    x, y = next(gen)
+                    batches[m] = (x.double(), y.double())
+                elif isinstance(ins, ds.ForwardPass):
+                    h = batches[m][0] if s == 0 else acts[(s - 1, m)]
+                    layer_io = []
+                    for i in mine:
+                        w, b = W[i]
+                        out = torch.tanh(h @ w.T + b)
+                        layer_io.append((h, out, w.clone()))
+                        h = out
+                    saved[(s, m)] = layer_io
+                    acts[(s, m)] = h
+                    if s == P - 1:
+                        losses.append(((h - batches[m][1])**2).mean().item())
+                elif isinstance(ins, ds.BackwardPass):
+                    if s == P - 1:
+                        out, target = acts[(s, m)], batches[m][1]
+                        g = 2 * (out - target) / out.numel() / window
+                    else:
+                        g = grads.pop((s + 1, m))
+                    for i, (h_in, out, w_fwd) in zip(reversed(mine), reversed(saved.pop((s, m)))):
+                        gz = g * (1 - out * out)
+                        gW[i][0] += gz.T @ h_in
+                        gW[i][1] += gz.sum(0)
+                        g = gz @ (w_fwd if stale else W[i][0])
+                    grads[(s, m)] = g
+                elif isinstance(ins, LocalStep):
+                    for i in mine:
+                        W[i][0] -= lr * gW[i][0]
+                        W[i][1] -= lr * gW[i][1]
+                        gW[i][0].zero_()
+                        gW[i][1].zero_()
+    return W, losses
+
+
+@pytest.mark.parametrize("stages,window", [(2, 1), (3, 1)])
+def test_micro_batches_crossing_a_local_step_get_the_paci_gradient(stages, window):
+    layers, gas, calls, lr = 2 * stages, 2, 5, 0.2
+    results = run_world(workers.mlp_training, stages, stages, layers, gas, window, calls, lr, timeout=180)
+    W, ref_losses = reference_paci_mlp(stages, layers, gas, window, calls, lr)
+    W_stale, _ = reference_paci_mlp(stages, layers, gas, window, calls, lr, stale=True)
+    assert results[0]["stats"]["max_drift"] >= 1, "no micro-batch crossed a local step: the test would be vacuous"
+    diff_paci = diff_stale = 0.0
+    for r in results:
+        start, stop = r["layers"]
+        for local, i in enumerate(range(start, stop)):
+            w = r["weights"][f"{i}.linear.weight"].double()
+            b = r["weights"][f"{i}.linear.bias"].double()
+            diff_paci = max(diff_paci, (w - W[i][0]).abs().max().item(), (b - W[i][1]).abs().max().item())
+            diff_stale = max(diff_stale, (w - W_stale[i][0]).abs().max().item())
+    assert diff_paci < 2e-6, diff_paci
+    assert diff_stale > 100 * max(diff_paci, 1e-7), "current-weight and stale-weight gradients must differ here"
+    engine_losses = [x for x in results[-1]["losses"] if x is not None]
+    assert len(engine_losses) >= 1
+
+
+@pytest.mark.parametrize("bf16,client", [(False, "sgd"), (True, "sgd"), (True, "configured")],
+                         ids=["fp32-torch.optim", "bf16-torch.optim", "bf16-configured"])
+def test_backward_through_current_weights_on_stock_pytorch(bf16, client):
+    """With a = 1 on 3 stages every non-last micro-batch crosses a step; autograd's version check must not fire."""
+    results = run_world(workers.mlp_training, 3, 3, 3, 2, 1, 4, 0.1, bf16, client, timeout=180)
+    assert results[0]["stats"]["max_drift"] == 2
+    if bf16:
+        assert results[0]["optimizer"] == "BF16_Optimizer"
+    assert all(math.isfinite(x) for x in results[-1]["losses"] if x is not None)
+
+
+# -- data pairing -----------------------------------------------------------------------
+def test_inputs_and_labels_stay_paired_when_each_call_gets_a_new_iterator():
+    stages, gas, batches = 4, 2, 5
+    persistent = run_world(workers.pairing, stages, stages, gas, batches, False, timeout=180)
+    fresh = run_world(workers.pairing, stages, stages, gas, batches, True, timeout=180)
+    assert persistent[-1]["losses"] == fresh[-1]["losses"]
+    for a, b in zip(persistent, fresh):
+        assert max_weight_diff(a["weights"], b["weights"]) == 0.0
+
+
+# -- eval, checkpoint, resume ---------------------------------------------------------------
+def test_resume_in_sync_mode_reproduces_uninterrupted_losses(tmp_path):
+    paci = {"enabled": True, "drain_every_batch": True}
+    full = run_world(workers.train_eval_save, 2, 2, paci, 6, 0, None, timeout=180)
+    part = run_world(workers.train_eval_save, 2, 2, paci, 3, 3, str(tmp_path / "ckpt"), timeout=180)
+    resumed = run_world(workers.resume, 2, 2, paci, 3, str(tmp_path / "ckpt"), timeout=180)
+    uninterrupted = full[-1]["losses_before"]
+    assert part[-1]["losses_before"] == uninterrupted[:3]
+    assert math.isfinite(part[-1]["eval"]) and part[0]["drained_after_eval"]
+    # eval and save in the middle did not disturb training
+    assert max(abs(a - b) for a, b in zip(part[-1]["losses_after"], uninterrupted[3:])) <= 1e-6
+    # a fresh world (different init) resumes exactly
+    assert resumed[-1]["path"] is not None
+    assert max(abs(a - b) for a, b in zip(resumed[-1]["losses"], uninterrupted[3:])) <= 1e-6
+    for a, b in zip(full, resumed):
+        assert max_weight_diff(a["weights"], b["weights"]) <= 1e-6
+
+
+def test_eval_and_checkpoint_in_the_middle_of_async_training(tmp_path):
+    paci = {"enabled": True}
+    part = run_world(workers.train_eval_save, 3, 3, paci, 4, 3, str(tmp_path / "ckpt"), timeout=180)
+    resumed = run_world(workers.resume, 3, 3, paci, 2, str(tmp_path / "ckpt"), timeout=180)
+    last = part[-1]
+    assert math.isfinite(last["eval"]) and all(r["drained_after_eval"] for r in part)
+    assert all(math.isfinite(x) for x in last["losses_after"] if x is not None)
+    # after the drain every stage holds the same version, so the checkpoint tag agrees
+    assert len({r["version_at_save"] for r in part}) == 1 and part[0]["version_at_save"] == 4 * 2 // 2
+    for r in resumed:
+        assert r["stream_state"]["next_micro_batch"] == 4 * 2
+        assert r["version"] == part[0]["version_at_save"] + 2
+    assert all(math.isfinite(x) for x in resumed[-1]["losses"] if x is not None)
+
+
+# -- hangs fail fast ---------------------------------------------------------------------------
+def test_a_hang_fails_within_a_minute_and_names_rank_and_instruction():
+    started = time.monotonic()
+    status, out, logs = run_world(workers.one_stage_absent, 2, 4, timeout=55, expect_failure=True)
+    elapsed = time.monotonic() - started
+    assert elapsed < 60
+    assert status[0] == "exit 86", status
+    log = open(logs[0]).read()
+    assert "rank 0 (stage 0 of 2" in log and "in SA0 at tick 1" in log, log[-2000:]
+
+
+def test_a_dead_stage_is_reported_by_its_neighbour_with_position():
+    status, out, logs = run_world(workers.one_stage_dies, 2, timeout=55, expect_failure=True)
+    assert status[1] == "exit 3"
+    assert status[0] == "error", status
+    assert "PACIStreamError: rank 0 (stage 0 of 2" in out[0] and "at tick" in out[0], out[0][-1500:]

@@ -1,0 +1,212 @@
+"""Per-rank bodies of the multi-process engine tests (run through ``harness.run_world``).
+
+Every function takes the rank first, builds real DeepSpeed engines over gloo, and
+returns plain data (floats, tensors, dicts) for the test to assert on.
+"""
+
+import os
+import time
+
+import torch
+
+import ds_paci
+from ds_paci.data import ByteTokenizer, MicroBatchIterator, encode_documents, eval_micro_batches, load_corpus
+from ds_paci.models import gpt2_config, gpt2_pipeline
+
+SEQ = 32
+MICRO = 2
+
+
+def shakespeare_tokens(n_docs=3):
+    docs = load_corpus()
+    return encode_documents(docs[:n_docs], ByteTokenizer())
+
+
+def tiny_gpt(stages, seed=11, dropout=0.0):
+    cfg = gpt2_config("tiny", vocab_size=257, n_positions=SEQ, n_embd=32, n_layer=4, n_head=2, dropout=dropout)
+    return gpt2_pipeline(cfg, num_stages=stages, seed=seed)
+
+
+def ds_config(gas, paci=None, bf16=False, optimizer=True, **extra):
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.0,
+        **extra
+    }
+    if optimizer:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True, "weight_decay": 0.0}}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if paci is not None:
+        cfg["paci"] = paci
+    return cfg
+
+
+def stage_weights(engine):
+    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+
+
+def _as_float(x):
+    return None if x is None else float(x)
+
+
+def stage_of_rank(engine):
+    return {r: engine.grid._topo.get_coord(r).pipe for r in range(torch.distributed.get_world_size())}
+
+
+# -- sync mode vs stock ---------------------------------------------------------------
+def stock_vs_sync(rank, stages, batches, gas, bf16, client_optimizer):
+    """Train the stock engine, then PACI in sync mode, on the same model init and data."""
+    from spy import record_distributed_calls
+    out = {}
+    tokens = shakespeare_tokens()
+    for name, paci in (("stock", None), ("sync", {"enabled": True, "drain_every_batch": True})):
+        model = tiny_gpt(stages)
+        cfg = ds_config(gas, paci=paci, bf16=bf16, optimizer=not client_optimizer)
+        kwargs = {}
+        if client_optimizer:
+            kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        else:
+            kwargs["model_parameters"] = model.parameters()
+        engine, *_ = ds_paci.initialize(model=model, config=cfg, **kwargs)
+        data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5)
+        with record_distributed_calls() as calls:
+            losses = [_as_float(engine.train_batch(data)) for _ in range(batches)]
+        out[name] = {"type": type(engine).__name__, "losses": losses, "weights": stage_weights(engine),
+                     "calls": calls, "stage_of_rank": stage_of_rank(engine)}
+    return out
+
+
+# -- async training, drift and the collective spy -------------------------------------
+def async_training(rank, stages, batches, gas, window=None, bf16=False):
+    from spy import record_distributed_calls
+    tokens = shakespeare_tokens()
+    model = tiny_gpt(stages)
+    paci = {"enabled": True}
+    if window:
+        paci["accumulation_window"] = window
+    engine, *_ = ds_paci.initialize(model=model,
+                                    model_parameters=model.parameters(),
+                                    config=ds_config(gas, paci=paci, bf16=bf16))
+    data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5)
+    losses = []
+    with record_distributed_calls() as calls:
+        for _ in range(batches):
+            losses.append(_as_float(engine.train_batch(data)))
+    stats_before_drain = engine.paci_stats()
+    tail = engine.drain()
+    return {
+        "losses": losses,
+        "drain_loss": _as_float(tail),
+        "stats": engine.paci_stats(),
+        "stats_before_drain": stats_before_drain,
+        "calls": calls,
+        "stage_of_rank": stage_of_rank(engine),
+        "recent": list(engine.telemetry.recent),
+    }
+
+
+# -- eval, checkpoint, resume ----------------------------------------------------------
+def train_eval_save(rank, stages, paci, batches_before, batches_after, save_dir, gas=2):
+    tokens = shakespeare_tokens()
+    val = eval_micro_batches(shakespeare_tokens(4)[-20000:], MICRO, SEQ, count=gas)
+    model = tiny_gpt(stages)
+    engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=ds_config(gas, paci))
+    data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5)
+    losses = [_as_float(engine.train_batch(data)) for _ in range(batches_before)]
+    result = {"losses_before": losses}
+    if save_dir is not None:
+        result["eval"] = _as_float(engine.eval_batch(iter(val)))
+        result["drained_after_eval"] = engine.is_drained
+        engine.save_checkpoint(save_dir, client_state={"data_position": data.position})
+        result["version_at_save"] = engine.weight_version
+        result["global_steps_at_save"] = engine.global_steps
+    result["losses_after"] = [_as_float(engine.train_batch(data)) for _ in range(batches_after)]
+    engine.drain()
+    result["weights"] = stage_weights(engine)
+    return result
+
+
+def resume(rank, stages, paci, batches, load_dir, gas=2):
+    tokens = shakespeare_tokens()
+    model = tiny_gpt(stages, seed=999)  # different init: the checkpoint must overwrite it
+    engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=ds_config(gas, paci))
+    path, client_state = engine.load_checkpoint(load_dir)
+    data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5)
+    data.skip(client_state["data_position"])
+    losses = [_as_float(engine.train_batch(data)) for _ in range(batches)]
+    engine.drain()
+    return {"path": path, "losses": losses, "weights": stage_weights(engine), "version": engine.weight_version,
+            "stream_state": client_state["ds_paci"]["stream"]}
+
+
+# -- micro-batch pairing across calls ---------------------------------------------------
+def pairing(rank, stages, gas, batches, fresh_iterator_per_call):
+    from mlp import mlp_pipeline, regression_batches
+    model = mlp_pipeline(stages, layers=stages)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    engine, *_ = ds_paci.initialize(model=model, optimizer=opt, config=ds_config(gas, {"enabled": True}, optimizer=False))
+    gen = regression_batches(MICRO)
+    all_batches = [next(gen) for _ in range(batches * gas)]
+    losses = []
+    persistent = iter(all_batches)
+    for c in range(batches):
+        it = iter(all_batches[c * gas:(c + 1) * gas]) if fresh_iterator_per_call else persistent
+        losses.append(_as_float(engine.train_batch(it)))
+    losses.append(_as_float(engine.drain()))
+    return {"losses": losses, "weights": stage_weights(engine)}
+
+
+# -- the PACI gradient on a small model --------------------------------------------------
+def mlp_training(rank, stages, layers, gas, window, calls, lr, bf16=False, client="sgd"):
+    from mlp import mlp_pipeline, regression_batches
+    model = mlp_pipeline(stages, layers=layers)
+    cfg = ds_config(gas, {"enabled": True, "accumulation_window": window}, bf16=bf16, optimizer=client != "sgd")
+    if client == "sgd":
+        engine, *_ = ds_paci.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), config=cfg)
+    else:
+        cfg["optimizer"] = {"type": "SGD", "params": {"lr": lr}}
+        engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    gen = regression_batches(MICRO)
+    if bf16:
+        gen = ((x.bfloat16(), y.bfloat16()) for x, y in gen)
+    losses = [_as_float(engine.train_batch(gen)) for _ in range(calls)]
+    losses.append(_as_float(engine.drain()))
+    return {
+        "losses": losses,
+        "weights": stage_weights(engine),
+        "stats": engine.paci_stats(),
+        "optimizer": type(engine.optimizer).__name__,
+        "layers": (engine.module._local_start, engine.module._local_stop)
+    }
+
+
+# -- hangs ----------------------------------------------------------------------------
+def one_stage_absent(rank, watchdog_seconds):
+    """Stage 0 trains; stage 1 never joins the stream (it sleeps), so stage 0 blocks in a send."""
+    from mlp import mlp_pipeline, regression_batches
+    model = mlp_pipeline(2, layers=2)
+    cfg = ds_config(2, {"enabled": True, "watchdog_seconds": watchdog_seconds}, optimizer=False)
+    engine, *_ = ds_paci.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    if rank == 1:
+        time.sleep(10)
+        return "slept"
+    engine.train_batch(regression_batches(MICRO))
+    return "trained"
+
+
+def one_stage_dies(rank):
+    """Stage 1 exits after the first call; stage 0's next transfer fails and says where."""
+    from mlp import mlp_pipeline, regression_batches
+    model = mlp_pipeline(2, layers=2)
+    cfg = ds_config(2, {"enabled": True, "watchdog_seconds": 0}, optimizer=False)
+    engine, *_ = ds_paci.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    data = regression_batches(MICRO)
+    engine.train_batch(data)
+    if rank == 1:
+        os._exit(3)
+    for _ in range(3):
+        engine.train_batch(data)
+    return "unreachable"
