@@ -210,3 +210,41 @@ def one_stage_dies(rank):
     for _ in range(3):
         engine.train_batch(data)
     return "unreachable"
+
+
+# -- initialize() refusals ---------------------------------------------------------------
+def initialize_errors(rank):
+    """Every combination ds_paci.initialize must refuse, tried on every rank; returns the messages."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from mlp import TanhLayer, mlp_pipeline, mse
+
+    def attempt(model, cfg, **kw):
+        try:
+            ds_paci.initialize(model=model, model_parameters=model.parameters(), config=cfg, **kw)
+        except ds_paci.PACIConfigError as e:
+            return str(e)
+        return None
+
+    paci = {"enabled": True}
+    out = {}
+    out["not_pipeline"] = attempt(torch.nn.Linear(2, 2), ds_config(2, paci))
+    out["zero2"] = attempt(mlp_pipeline(2), ds_config(2, paci, zero_optimization={"stage": 2}))
+    out["fp16"] = attempt(mlp_pipeline(2), ds_config(2, paci, fp16={"enabled": True}))
+    out["window0"] = attempt(mlp_pipeline(2), ds_config(2, {"enabled": True, "accumulation_window": 0}))
+    out["unknown"] = attempt(mlp_pipeline(2), ds_config(2, {"enabled": True, "acumulation_window": 4}))
+    tied = PipelineModule(layers=[TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"]), LayerSpec(TanhLayer, 1, 7),
+                                  TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"])], num_stages=2, loss_fn=mse,
+                          partition_method="uniform")
+    out["tied"] = attempt(tied, ds_config(2, paci))
+    # accepted: the same tied model is fine for the stock engine, and PACI accepts ZeRO-1
+    engine, *_ = ds_paci.initialize(model=tied, model_parameters=tied.parameters(), config=ds_config(2))
+    out["stock_type"] = type(engine).__name__
+    engine, *_ = ds_paci.initialize(model=mlp_pipeline(2), config=ds_config(2, {"enabled": False}),
+                                    model_parameters=mlp_pipeline(2).parameters())
+    out["disabled_type"] = type(engine).__name__
+    z1 = mlp_pipeline(2)
+    engine, *_ = ds_paci.initialize(model=z1, model_parameters=z1.parameters(),
+                                    config=ds_config(2, paci, zero_optimization={"stage": 1}))
+    out["zero1_type"] = type(engine).__name__
+    out["zero1_clip"] = engine.gradient_clipping()
+    return out

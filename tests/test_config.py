@@ -1,0 +1,71 @@
+"""The "paci" section and ds_paci.initialize refuse what PACI cannot honour, with messages that name the fix."""
+
+import json
+
+import pytest
+
+import workers
+from harness import run_world
+from ds_paci.config import PACIConfig, PACIConfigError, load_config, parse_paci_section
+
+
+def test_defaults_and_valid_section():
+    assert parse_paci_section(None) == PACIConfig()
+    cfg = parse_paci_section({"enabled": True, "accumulation_window": 8, "drain_every_batch": True,
+                              "watchdog_seconds": 30, "trace": True, "trace_dir": "runs/t"})
+    assert cfg.enabled and cfg.accumulation_window == 8 and cfg.watchdog_seconds == 30.0 and cfg.trace
+    assert cfg.window(4) == 8 and PACIConfig(enabled=True).window(4) == 4
+
+
+@pytest.mark.parametrize("section,needle", [
+    ({"enabled": True, "acumulation_window": 4}, "unknown key(s) 'acumulation_window'"),
+    ({"enabled": True, "accumulation_window": 0}, '"paci.accumulation_window" = 0'),
+    ({"enabled": True, "accumulation_window": 2.5}, "an integer >= 1"),
+    ({"enabled": True, "accumulation_window": True}, '"paci.accumulation_window" = True'),
+    ({"enabled": "yes"}, '"paci.enabled" = \'yes\''),
+    ({"enabled": True, "watchdog_seconds": -1}, "seconds >= 0"),
+    ({"enabled": True, "trace_dir": ""}, '"paci.trace_dir"'),
+    ([1, 2], '"paci" must be an object'),
+])
+def test_bad_sections_name_key_value_and_what_is_allowed(section, needle):
+    with pytest.raises(PACIConfigError) as err:
+        parse_paci_section(section)
+    assert needle in str(err.value)
+    assert any(w in str(err.value) for w in ("allowed", "use", "like"))
+
+
+def test_load_config_from_dict_path_and_args(tmp_path):
+    cfg = {"train_batch_size": 4, "paci": {"enabled": True}}
+    assert load_config(cfg) == cfg and load_config(cfg) is not cfg
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+
+    class Args:
+        deepspeed_config = str(path)
+
+    assert load_config(None, Args()) == cfg
+    with pytest.raises(PACIConfigError, match="both"):
+        load_config(cfg, Args())
+    with pytest.raises(PACIConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 4,}')
+    with pytest.raises(PACIConfigError, match="not valid JSON"):
+        load_config(str(bad))
+    with pytest.raises(PACIConfigError, match="no DeepSpeed config"):
+        load_config(None, None)
+
+
+def test_initialize_refuses_unsupported_runs_on_every_rank():
+    results = run_world(workers.initialize_errors, 2, timeout=120)
+    for out in results:  # identical decisions on both ranks: nobody is left waiting
+        assert out == results[0]
+    out = results[0]
+    assert "needs a deepspeed.pipe.PipelineModule, got Linear" in out["not_pipeline"]
+    assert '"zero_optimization.stage" = 2' in out["zero2"] and "use stage 0 or 1" in out["zero2"]
+    assert '"fp16.enabled" = true' in out["fp16"] and "bf16" in out["fp16"]
+    assert '"paci.accumulation_window" = 0' in out["window0"]
+    assert "acumulation_window" in out["unknown"] and '"accumulation_window"' in out["unknown"]
+    assert "tied layers ['w'] span several pipeline stages" in out["tied"] and "untie" in out["tied"]
+    assert out["stock_type"] == "PipelineEngine" and out["disabled_type"] == "PipelineEngine"
+    assert out["zero1_type"] == "PACIPipelineEngine" and out["zero1_clip"] == 0.0
