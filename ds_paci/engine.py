@@ -41,6 +41,7 @@ from deepspeed.utils import logger
 from .config import parse_paci_section
 from .feed import MicroBatchFeed
 from .local_step import clip_stage_gradients, make_stage_local
+from .monitor import LastStageMonitor
 from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
 from .telemetry import StageTelemetry
 from .watchdog import Watchdog
@@ -78,6 +79,9 @@ class PACIPipelineEngine(PipelineEngine):
         self._in_stream = False
         self._calls = 0
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, format_instruction)
+        self._loss_monitor = None
+        if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
+            self._loss_monitor = LastStageMonitor(self._config.monitor_config)
         if self.global_rank == self.grid.stage_to_global(self.num_stages - 1):
             logger.info(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
                         f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
@@ -284,6 +288,8 @@ class PACIPipelineEngine(PipelineEngine):
         return loss
 
     def _report(self, loss):
+        if self._loss_monitor is not None and loss is not None:
+            self._loss_monitor.write_events([("Train/Samples/train_loss", loss.item(), self.global_samples)])
         every = self.steps_per_print()
         if not every or self._calls % every:
             return

@@ -1,0 +1,328 @@
+"""The main job: GPT-2 pipeline training on a real text corpus, with PACI or DeepSpeed's stock engine.
+
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config configs/paci.json    # PACI
+    deepspeed --num_gpus 2 launch/train.py --deepspeed_config configs/flush.json   # stock 1F1B-flush
+
+The same script runs both: ``ds_paci.initialize`` returns the PACI engine when the
+config has ``"paci": {"enabled": true}`` and DeepSpeed's own engine otherwise.
+The last pipeline stage (which computes the loss) prints progress, periodic
+validation loss and a final summary, and writes metrics as JSON lines.
+Every input is checked before any process group starts, so a bad argument ends
+every rank at once with one line that names the problem and the fix (exit code 2).
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A bad input: the message is one line naming the problem and the fix."""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config (configs/paci.json, configs/flush.json)")
+    p.add_argument("--steps", type=int, default=300, help="train_batch calls (optimizer steps) to run")
+    p.add_argument("--model", default="tiny", help="GPT-2 size: tiny, mini, small, medium")
+    p.add_argument("--n-layer", type=int, help="override the number of transformer blocks")
+    p.add_argument("--n-embd", type=int, help="override the hidden size")
+    p.add_argument("--n-head", type=int, help="override the number of attention heads")
+    p.add_argument("--n-positions", type=int, default=1024, help="model context length (positions)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
+    p.add_argument("--data", help="text file or folder of .txt files (default: the Shakespeare corpus)")
+    p.add_argument("--tokenizer", default="bpe-1024", help="byte, gpt2, or bpe-<vocab> (trained locally, cached)")
+    p.add_argument("--stages", type=int, help="pipeline stages (default: every launched process is one stage)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--eval-interval", type=int, default=100, help="validate every N steps (0: only at start and end)")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches of gradient_accumulation_steps micro-batches")
+    p.add_argument("--log-interval", type=int, default=10, help="progress line every N steps")
+    p.add_argument("--checkpoint-dir", help="save checkpoints here (at --save-interval and at the end)")
+    p.add_argument("--save-interval", type=int, default=0, help="save every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--metrics", help="JSON-lines metrics file (default: runs/<config name>/metrics.jsonl)")
+    p.add_argument("--device-time", type=float, default=0.0,
+                   help="emulated accelerator: seconds each block waits in forward (2x in backward)")
+    p.add_argument("--threads", type=int, help="torch threads per process (default: cores / local processes)")
+    p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logs")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- checks that run before any process group exists ---------------------------------------
+def check_inputs(args, world_size):
+    """Validate everything a rank can check on its own; returns (ds_config, corpus documents).
+
+    Every rank reaches the same verdict, so a bad input ends all of them together.
+    """
+    from ds_paci.config import PACIConfigError, load_config, parse_paci_section
+    from ds_paci.data import DataError, load_corpus
+    try:
+        ds_config = load_config(args.deepspeed_config)
+        parse_paci_section(ds_config.get("paci"))
+    except PACIConfigError as e:
+        raise UsageError(str(e)) from None
+    stages = args.stages or world_size
+    if stages < 1 or world_size % stages:
+        raise UsageError(f"--stages {stages} does not divide the {world_size} launched processes; launch a multiple "
+                         f"of {stages} (deepspeed --num_gpus {stages} ...) or pass a --stages that divides {world_size}")
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps} must be at least 1")
+    if args.seq_len < 1 or args.seq_len > args.n_positions:
+        raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {args.n_positions} positions; lower --seq-len "
+                         f"or raise --n-positions")
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    if not isinstance(micro, int) or not isinstance(gas, int):
+        raise UsageError(f"{args.deepspeed_config} must set integer \"train_micro_batch_size_per_gpu\" and "
+                         "\"gradient_accumulation_steps\" (see configs/paci.json)")
+    dp = world_size // stages
+    if "train_batch_size" in ds_config and ds_config["train_batch_size"] != micro * gas * dp:
+        raise UsageError(f"\"train_batch_size\" {ds_config['train_batch_size']} != micro-batch {micro} x "
+                         f"accumulation {gas} x data-parallel {dp}; remove \"train_batch_size\" or make it "
+                         f"{micro * gas * dp}")
+    if args.resume:
+        if not args.checkpoint_dir:
+            raise UsageError("--resume needs --checkpoint-dir <directory written by an earlier run>")
+        if not os.path.isfile(os.path.join(args.checkpoint_dir, "latest")):
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} holds no checkpoint (no 'latest' file); "
+                             "point it at a directory an earlier run saved into, or drop --resume")
+    try:
+        docs = load_corpus(args.data)
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    return ds_config, docs, stages
+
+
+def build_model_config(args, vocab_size, eos_id, stages):
+    from ds_paci.models import gpt2_config
+    try:
+        cfg = gpt2_config(args.model, vocab_size=vocab_size, n_positions=args.n_positions, n_embd=args.n_embd,
+                          n_layer=args.n_layer, n_head=args.n_head, eos_token_id=eos_id)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if cfg.n_layer < stages:
+        raise UsageError(f"the model has {cfg.n_layer} transformer blocks but {stages} stages were asked for; "
+                         f"use at most {cfg.n_layer} stages or a deeper model (--n-layer)")
+    return cfg
+
+
+def fmt_time(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+# -- the job ------------------------------------------------------------------------------
+class Reporter:
+    """Progress lines, validation lines, metrics JSONL and the summary, on the last stage's first replica."""
+
+    def __init__(self, active, path):
+        self.active = active
+        self.path = path
+        self.file = None
+        if active:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a")
+
+    def record(self, **fields):
+        if self.active:
+            self.file.write(json.dumps(fields) + "\n")
+            self.file.flush()
+
+    def say(self, line):
+        if self.active:
+            print(line, flush=True)
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        ds_config, docs, stages = check_inputs(args, world_size)
+    except UsageError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+    import logging
+
+    import torch
+    local_size = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // max(1, local_size)))
+    import deepspeed
+    if not args.verbose:
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+
+    import ds_paci
+    from ds_paci.data import (DataError, MicroBatchIterator, encode_documents, eval_micro_batches, get_tokenizer,
+                              split_documents)
+    from ds_paci.models import gpt2_pipeline
+
+    try:
+        train_docs, val_docs = split_documents(docs)
+        tokenizer = get_tokenizer(args.tokenizer, train_docs=train_docs)
+        model_cfg = build_model_config(args, tokenizer.vocab_size, tokenizer.eos_id, stages)
+        train_tokens = encode_documents(train_docs, tokenizer)
+        val_tokens = encode_documents(val_docs, tokenizer)
+        micro, gas = ds_config["train_micro_batch_size_per_gpu"], ds_config["gradient_accumulation_steps"]
+        val_batches = eval_micro_batches(val_tokens, micro, args.seq_len, count=args.eval_batches * gas)
+        MicroBatchIterator(train_tokens, micro, args.seq_len)  # validates the corpus is long enough
+    except (UsageError, DataError, ValueError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+    sched = ds_config.get("scheduler", {}).get("params", {})
+    if "total_num_steps" in sched:
+        sched["total_num_steps"] = args.steps  # the schedule spans this run
+        if sched.get("warmup_num_steps", 0) >= args.steps:
+            sched["warmup_num_steps"] = max(1, args.steps // 10)
+
+    ds_paci.init_distributed(dist_backend="gloo" if deepspeed.get_accelerator().device_name() == "cpu" else None)
+    model = gpt2_pipeline(model_cfg, num_stages=stages, seed=args.seed, device_time=args.device_time)
+    args_for_ds = argparse.Namespace(local_rank=args.local_rank, deepspeed_config=None)
+    engine, _, _, _ = ds_paci.initialize(args=args_for_ds, model=model, model_parameters=model.parameters(),
+                                         config=ds_config)
+    is_paci = isinstance(engine, ds_paci.PACIPipelineEngine)
+    dp_rank, dp = engine.grid.data_parallel_id, engine.grid.data_parallel_size
+    data = MicroBatchIterator(train_tokens, micro, args.seq_len, seed=args.seed, dp_rank=dp_rank, dp_size=dp)
+    config_name = os.path.splitext(os.path.basename(args.deepspeed_config))[0]
+    reporter = Reporter(engine.is_last_stage() and dp_rank == 0,
+                        args.metrics or os.path.join("runs", config_name, "metrics.jsonl"))
+    n_params = sum(p.numel() for p in model.parameters())
+    engine_name = f"PACI (a={engine.accumulation_window})" if is_paci else "stock 1F1B-flush"
+    reporter.say(f"ds_paci {ds_paci.__version__} | {engine_name} | {stages} stages x {dp} data-parallel | GPT-2 "
+                 f"{args.model} ({model_cfg.n_layer} blocks x {model_cfg.n_embd}, vocab {model_cfg.vocab_size}) | "
+                 f"{args.tokenizer} | seq {args.seq_len} | micro-batch {micro} x {gas} | "
+                 f"{len(train_tokens):,} train tokens, {len(val_tokens):,} val tokens"
+                 + (f" | emulated device time {args.device_time}s/block" if args.device_time else ""))
+
+    start_step = 0
+    if args.resume:
+        path, client = engine.load_checkpoint(args.checkpoint_dir)
+        if path is None:
+            reporter.say(f"error: could not load a checkpoint from {args.checkpoint_dir}")
+            return EXIT_USAGE
+        start_step = client["step"]
+        data.load_state_dict(client["data"])
+        reporter.say(f"resumed from {path} at step {start_step}")
+
+    def gather_stats():
+        local = {"stage": engine.stage_id, "dp": dp_rank, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        if is_paci:
+            local.update(engine.paci_stats())
+        out = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, local)  # legal here: the pipeline is drained
+        return out
+
+    eval_seconds = 0.0
+
+    def evaluate(step):
+        nonlocal eval_seconds
+        t0 = time.perf_counter()
+        if is_paci:
+            engine.drain()
+        losses = []
+        for i in range(args.eval_batches):
+            group = val_batches[i * gas:(i + 1) * gas]
+            losses.append(float(engine.eval_batch(iter(group))))
+        val = sum(losses) / len(losses)
+        eval_seconds += time.perf_counter() - t0
+        reporter.say(f"step {step:>6}/{args.steps} | validation loss {val:.4f}")
+        reporter.record(event="eval", step=step, val_loss=val)
+        return val
+
+    def save(step):
+        engine.save_checkpoint(args.checkpoint_dir, client_state={"step": step, "data": data.state_dict()})
+        reporter.say(f"step {step:>6}/{args.steps} | checkpoint saved to {args.checkpoint_dir}")
+
+    first_val = evaluate(start_step)
+    stats = gather_stats()
+    tokens_per_step = micro * gas * dp * args.seq_len
+    recent_losses, window_start, window_steps = [], time.perf_counter(), 0
+    train_seconds = 0.0
+    last_loss = None
+    for step in range(start_step + 1, args.steps + 1):
+        t0 = time.perf_counter()
+        loss = engine.train_batch(data)
+        train_seconds += time.perf_counter() - t0
+        window_steps += 1
+        if loss is not None:
+            last_loss = float(loss)
+            recent_losses = (recent_losses + [last_loss])[-10:]
+        if step % args.log_interval == 0 or step == args.steps:
+            elapsed = time.perf_counter() - window_start
+            tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
+            eta = (args.steps - step) * elapsed / max(window_steps, 1)
+            drift = ""
+            if is_paci:
+                seen = max(s.get("max_drift", 0) for s in stats)
+                bound = max(s.get("drift_bound", 0) for s in stats)
+                drift = f" | drift {seen} (bound {bound})"
+            loss_txt = f"{last_loss:.4f}" if last_loss is not None else "   n/a"
+            reporter.say(f"step {step:>6}/{args.steps} | loss {loss_txt} | {tps:,.0f} tokens/s | "
+                         f"lr {engine.get_lr()[0]:.2e}{drift} | eta {fmt_time(eta)}")
+            reporter.record(event="train", step=step, loss=last_loss, tokens_per_s=tps, lr=engine.get_lr()[0],
+                            time=time.time())
+            window_start, window_steps = time.perf_counter(), 0
+        if args.eval_interval and step % args.eval_interval == 0 and step != args.steps:
+            evaluate(step)
+            stats = gather_stats()
+        if args.checkpoint_dir and args.save_interval and step % args.save_interval == 0 and step != args.steps:
+            save(step)
+
+    tail = engine.drain() if is_paci else None
+    if tail is not None:
+        recent_losses = (recent_losses + [float(tail)])[-10:]
+    final_val = evaluate(args.steps)
+    if args.checkpoint_dir:
+        save(args.steps)
+    stats = gather_stats()
+    steps_run = args.steps - start_step
+    tokens = steps_run * tokens_per_step
+    train_loss = sum(recent_losses) / len(recent_losses) if recent_losses else float("nan")
+    summary = {
+        "engine": engine_name, "stages": stages, "data_parallel": dp, "steps": steps_run, "tokens": tokens,
+        "train_seconds": train_seconds, "eval_seconds": eval_seconds, "tokens_per_s": tokens / max(train_seconds, 1e-9),
+        "final_train_loss": train_loss, "first_val_loss": first_val, "final_val_loss": final_val,
+        "peak_rss_mb_per_stage": {s["stage"]: round(s["rss_mb"], 1) for s in stats if s["dp"] == 0},
+        "drift_per_stage": {s["stage"]: s.get("drift_histogram") for s in stats if s["dp"] == 0} if is_paci else None,
+    }
+    reporter.record(event="summary", **summary)
+    rss = " | ".join(f"stage {k}: {v:.0f} MB" for k, v in summary["peak_rss_mb_per_stage"].items())
+    lines = [
+        f"==== summary: {engine_name}, {stages} stages x {dp} data-parallel ====",
+        f"steps            {steps_run} ({tokens:,} tokens)",
+        f"wall time        {train_seconds + eval_seconds:.1f} s (training {train_seconds:.1f} s, evaluation {eval_seconds:.1f} s)",
+        f"throughput       {summary['tokens_per_s']:,.0f} tokens/s (training time)",
+        f"train loss       {train_loss:.4f} (mean of the last {len(recent_losses)} batches)",
+        f"validation loss  {first_val:.4f} at step {start_step} -> {final_val:.4f} at step {args.steps}",
+        f"peak memory      {rss} (RSS)",
+    ]
+    if is_paci:
+        lines.append("weight drift     " + " | ".join(
+            f"stage {s['stage']}: {s['drift_histogram']} (bound {s['drift_bound']})" for s in stats if s["dp"] == 0))
+    lines.append(f"metrics          {reporter.path}")
+    reporter.say("\n".join(lines))
+    reporter.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ds_paci",
+    version="0.1.0",
+    description="Bubble-free PACI pipeline training for DeepSpeed: persistent 1F1B streams with stage-local steps",
+    packages=find_packages(include=["ds_paci", "ds_paci.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch==2.13.0",
+        "deepspeed==0.19.8",
+        "transformers==5.24.0",
+        "tokenizers==0.23.3",
+        "numpy",
+        "matplotlib",
+    ],
+    extras_require={"test": ["pytest"]},
+)
