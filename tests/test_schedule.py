@@ -5,6 +5,7 @@ import itertools
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
+from ds_paci.simulate import simulate
 from ds_paci.schedule import (LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction, format_stream,
                               num_buffers, pairing_violations, parse_instruction, parse_stream, stream_violations)
 
@@ -43,6 +44,10 @@ def test_stream_properties_over_grid(P):
             assert streams[s].in_flight() == 0 and streams[s].window_fill == 0
         errors = pairing_violations([flat(seg) for seg in segments])
         assert not errors, f"P={P} M={M} a={a}: {errors[:3]}"
+        # executed with blocking point-to-point semantics, across call boundaries and both drains
+        result = simulate([flat(seg) for seg in segments])
+        assert result.deadlock is None and not result.mismatches, f"P={P} M={M} a={a}: {result.deadlock}"
+        assert all(peak <= P - s for s, peak in enumerate(result.peak_in_flight))
         # every stage completed the same micro-batches: 3 calls of M
         for s in range(P):
             backs = [i.micro_batch_id for t in flat(segments[s]) for i in t if isinstance(i, ds.BackwardPass)]
