@@ -38,6 +38,26 @@ def test_sync_mode_reproduces_stock_engine(stages, bf16, client_optimizer):
         assert not cross_stage_collectives(r["sync"]["calls"], r["sync"]["stage_of_rank"])
 
 
+def test_pipeline_with_data_parallel_replicas_and_zero1():
+    """2 stages x 2 replicas, ZeRO-1: sync mode equals stock; async reduces only within each stage's DP group."""
+    results = run_world(workers.stock_vs_sync, 4, 2, 4, 2, False, False, 1, ("stock", "sync", "async"), timeout=300)
+    assert {r["sync"]["optimizer"] for r in results} == {"DeepSpeedZeroOptimizer"}
+    last = [r for r in results if r["sync"]["stage"] == 1]
+    assert max(abs(a - b) for a, b in zip(last[0]["stock"]["losses"], last[0]["sync"]["losses"])) <= 1e-6
+    for r in results:
+        assert max_weight_diff(r["stock"]["weights"], r["sync"]["weights"]) <= 1e-6
+        crossing = cross_stage_collectives(r["async"]["calls"], r["async"]["stage_of_rank"])
+        assert not crossing, crossing[:5]
+        assert any(op == "all_reduce" or op.startswith("all_gather") for op, _, _ in r["async"]["calls"])
+    # the replicas of a stage saw different data but hold identical weights: the DP reduce ran
+    by_stage = {}
+    for r in results:
+        by_stage.setdefault(r["async"]["stage"], []).append(r["async"]["weights"])
+    for stage, (w1, w2) in by_stage.items():
+        assert max_weight_diff(w1, w2) == 0.0, f"stage {stage}"
+    assert all(math.isfinite(x) for x in last[0]["async"]["losses"] if x is not None)
+
+
 # -- async mode: trains, drift within bound, no cross-stage collective ------------------------
 @pytest.mark.parametrize("stages", [2, 4])
 def test_async_trains_with_bounded_drift_and_no_cross_stage_collective(stages):

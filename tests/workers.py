@@ -57,25 +57,32 @@ def stage_of_rank(engine):
 
 
 # -- sync mode vs stock ---------------------------------------------------------------
-def stock_vs_sync(rank, stages, batches, gas, bf16, client_optimizer):
-    """Train the stock engine, then PACI in sync mode, on the same model init and data."""
+def stock_vs_sync(rank, stages, batches, gas, bf16, client_optimizer, zero_stage=0, modes=("stock", "sync")):
+    """Train the stock engine, then PACI in sync mode (and async if asked), on the same model init and data."""
     from spy import record_distributed_calls
     out = {}
     tokens = shakespeare_tokens()
-    for name, paci in (("stock", None), ("sync", {"enabled": True, "drain_every_batch": True})):
+    paci_of = {"stock": None, "sync": {"enabled": True, "drain_every_batch": True}, "async": {"enabled": True}}
+    for name in modes:
+        paci = paci_of[name]
         model = tiny_gpt(stages)
-        cfg = ds_config(gas, paci=paci, bf16=bf16, optimizer=not client_optimizer)
+        cfg = ds_config(gas, paci=paci, bf16=bf16, optimizer=not client_optimizer,
+                        zero_optimization={"stage": zero_stage})
         kwargs = {}
         if client_optimizer:
             kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
         else:
             kwargs["model_parameters"] = model.parameters()
         engine, *_ = ds_paci.initialize(model=model, config=cfg, **kwargs)
-        data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5)
+        data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5, dp_rank=engine.grid.data_parallel_id,
+                                  dp_size=engine.grid.data_parallel_size)
         with record_distributed_calls() as calls:
             losses = [_as_float(engine.train_batch(data)) for _ in range(batches)]
+        if name == "async":
+            engine.drain()
         out[name] = {"type": type(engine).__name__, "losses": losses, "weights": stage_weights(engine),
-                     "calls": calls, "stage_of_rank": stage_of_rank(engine)}
+                     "calls": calls, "stage_of_rank": stage_of_rank(engine), "optimizer": type(engine.optimizer).__name__,
+                     "stage": engine.stage_id}
     return out
 
 
