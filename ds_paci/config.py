@@ -26,7 +26,8 @@ Keys (every one optional except ``enabled``):
     A stage that waits longer than this inside one instruction prints where it is
     stuck (rank, stage, instruction, tick) and aborts, instead of hanging.
 ``trace`` (bool, default false)
-    Record start and end time of every instruction (for timelines).
+    Record start and end time of every instruction (for timelines); the most recent
+    million records are kept.
 ``trace_dir`` (path, default none)
     Where ``engine.write_trace()`` writes ``trace_rank<R>.jsonl`` when called without a path.
 

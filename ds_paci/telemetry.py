@@ -5,8 +5,9 @@ The engine writes; timelines, logs and the benchmark read (never the other way r
 
 import json
 import os
-import time
-from collections import Counter
+from collections import Counter, deque
+
+TRACE_LIMIT = 1_000_000  # records kept (the most recent); about 200 MB at the limit
 
 
 class StageTelemetry:
@@ -17,7 +18,7 @@ class StageTelemetry:
       backward at this stage: count};
     * ``recent``: the last ``keep`` (micro-batch id, drift) pairs;
     * ``trace``: per-instruction records ``{"rank", "stage", "instr", "start", "end"}``
-      (wall-clock seconds) when tracing is on.
+      (wall-clock seconds) when tracing is on; the most recent :data:`TRACE_LIMIT` are kept.
     """
 
     def __init__(self, rank, stage, stages, window, bound, trace=False, keep=1024):
@@ -33,7 +34,7 @@ class StageTelemetry:
         self.keep = keep
         self._forward_version = {}
         self.tracing = trace
-        self.trace = []
+        self.trace = deque(maxlen=TRACE_LIMIT)
 
     def forward(self, buffer_id):
         self._forward_version[buffer_id] = self.version
@@ -84,5 +85,3 @@ class StageTelemetry:
                 f.write(json.dumps(rec) + "\n")
         return path
 
-
-now = time.time

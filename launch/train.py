@@ -13,7 +13,6 @@ every rank at once with one line that names the problem and the fix (exit code 2
 
 import argparse
 import json
-import math
 import os
 import resource
 import sys
@@ -203,7 +202,6 @@ def main(argv=None):
     config_name = os.path.splitext(os.path.basename(args.deepspeed_config))[0]
     reporter = Reporter(engine.is_last_stage() and dp_rank == 0,
                         args.metrics or os.path.join("runs", config_name, "metrics.jsonl"))
-    n_params = sum(p.numel() for p in model.parameters())
     engine_name = f"PACI (a={engine.accumulation_window})" if is_paci else "stock 1F1B-flush"
     reporter.say(f"ds_paci {ds_paci.__version__} | {engine_name} | {stages} stages x {dp} data-parallel | GPT-2 "
                  f"{args.model} ({model_cfg.n_layer} blocks x {model_cfg.n_embd}, vocab {model_cfg.vocab_size}) | "

@@ -8,10 +8,10 @@ import torch
 
 import workers
 from harness import run_world
-from mlp import DIM, layer_weights, regression_batches
+from mlp import layer_weights, regression_batches
 from ds_paci.schedule import LocalStep, PACIStream, drift_bound
 from deepspeed.runtime.pipe import schedule as ds
-from spy import COLLECTIVES, POINT_TO_POINT, cross_stage_collectives
+from spy import POINT_TO_POINT, cross_stage_collectives
 
 
 def max_weight_diff(a, b):
