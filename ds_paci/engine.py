@@ -117,7 +117,7 @@ class PACIPipelineEngine(PipelineEngine):
         self.timers(TRAIN_BATCH_TIMER).start()
         self._run(self._stream.advance(2 * self.micro_batches))
         if self.paci.drain_every_batch:
-            self._run(self._stream.drain())
+            self._run_drain()
         self.timers(TRAIN_BATCH_TIMER).stop()
         loss = self._end_losses()
         self._calls += 1
@@ -128,8 +128,7 @@ class PACIPipelineEngine(PipelineEngine):
         """Complete everything in flight and close open windows; returns the mean loss completed meanwhile (last stage)."""
         self.module.train()
         self._begin_losses()
-        self._run(self._stream.drain())
-        self._feed.clear()
+        self._run_drain()
         return self._end_losses()
 
     def eval_batch(self, data_iter, *args, **kwargs):
@@ -193,6 +192,10 @@ class PACIPipelineEngine(PipelineEngine):
         return self.telemetry.write_trace(directory)
 
     # -- stream execution -------------------------------------------------------------
+    def _run_drain(self):
+        self._run(self._stream.drain())
+        self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
+
     def _run(self, ticks):
         table = self._PACI_INSTRUCTIONS
         telemetry, watchdog = self.telemetry, self._watchdog

@@ -249,7 +249,7 @@ def main(argv=None):
         reporter.say(f"step {step:>6}/{args.steps} | checkpoint saved to {args.checkpoint_dir}")
 
     first_val = evaluate(start_step)
-    stats = gather_stats()
+    stats, stats_step = gather_stats(), start_step
     tokens_per_step = micro * gas * dp * args.seq_len
     recent_losses, window_start, window_steps = [], time.perf_counter(), 0
     train_seconds = 0.0
@@ -270,7 +270,7 @@ def main(argv=None):
             if is_paci:
                 seen = max(s.get("max_drift", 0) for s in stats)
                 bound = max(s.get("drift_bound", 0) for s in stats)
-                drift = f" | drift {seen} (bound {bound})"
+                drift = f" | drift {seen} (bound {bound}, all stages as of step {stats_step})"
             loss_txt = f"{last_loss:.4f}" if last_loss is not None else "   n/a"
             reporter.say(f"step {step:>6}/{args.steps} | loss {loss_txt} | {tps:,.0f} tokens/s | "
                          f"lr {engine.get_lr()[0]:.2e}{drift} | eta {fmt_time(eta)}")
@@ -279,7 +279,7 @@ def main(argv=None):
             window_start, window_steps = time.perf_counter(), 0
         if args.eval_interval and step % args.eval_interval == 0 and step != args.steps:
             evaluate(step)
-            stats = gather_stats()
+            stats, stats_step = gather_stats(), step
         if args.checkpoint_dir and args.save_interval and step % args.save_interval == 0 and step != args.steps:
             save(step)
 
