@@ -171,6 +171,12 @@ class PACIPipelineEngine(PipelineEngine):
             self.drain()
         super().reset_activation_shape()
 
+    def destroy(self):
+        """Stop the watchdog thread, then DeepSpeed's own clean-up."""
+        if getattr(self, "_watchdog", None) is not None:  # destroy() may run on a half-built engine
+            self._watchdog.close()
+        super().destroy()
+
     def paci_stats(self):
         """This stage's telemetry: version, local steps, drift histogram and bound, micro-batches, stream position."""
         stats = self.telemetry.summary()
