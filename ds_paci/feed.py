@@ -23,9 +23,6 @@ class MicroBatchFeed:
         if count > 0:
             self._queue.append([iterator, count])
 
-    def pending(self):
-        return sum(n for _, n in self._queue)
-
     def clear(self):
         self._queue.clear()
 

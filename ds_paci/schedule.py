@@ -42,7 +42,7 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, 
                                              PipeInstruction, RecvActivation, RecvGrad, SendActivation, SendGrad)
 
 __all__ = [
-    "LocalAccumulate", "LocalStep", "PACIStream", "num_buffers", "drift_bound", "forward_tick", "backward_tick",
+    "LocalAccumulate", "LocalStep", "PACIStream", "num_buffers", "drift_bound",
     "format_instruction", "parse_instruction", "format_tick", "parse_tick", "format_stream", "parse_stream",
     "micro_batch_of", "stream_violations", "pairing_violations"
 ]
@@ -92,16 +92,6 @@ def num_buffers(stages, stage_id):
 def drift_bound(stages, stage_id, window):
     """Most weight versions a micro-batch can cross between forward and backward at a stage."""
     return math.ceil((stages - 1 - stage_id) / window)
-
-
-def forward_tick(stages, stage_id, micro_batch):
-    """Segment tick of the forward pass of segment-local ``micro_batch`` at ``stage_id``."""
-    return 2 * micro_batch + stage_id
-
-
-def backward_tick(stages, stage_id, micro_batch):
-    """Segment tick of the backward pass of segment-local ``micro_batch`` at ``stage_id``."""
-    return 2 * micro_batch + 2 * stages - stage_id - 1
 
 
 def micro_batch_of(instr):
@@ -186,14 +176,6 @@ class PACIStream:
         self.ticks_emitted = 0  # over all segments
 
     # -- queries -------------------------------------------------------------------
-    @property
-    def is_first(self):
-        return self.stage_id == 0
-
-    @property
-    def is_last(self):
-        return self.stage_id == self.stages - 1
-
     def loaded(self):
         """Micro-batches stage 0 has loaded in the current segment (the drain's limit)."""
         return (self.segment_tick + 1) // 2

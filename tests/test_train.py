@@ -56,7 +56,7 @@ def test_main_job_trains_end_to_end(tmp_path, config):
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5, evals
     assert trains[-1]["loss"] < trains[0]["loss"], trains
     assert summary["steps"] == 16 and summary["tokens"] == 16 * 8 * 4 * 128
-    assert set(summary["peak_rss_mb_per_stage"]) == {"0", "1"} or set(summary["peak_rss_mb_per_stage"]) == {0, 1}
+    assert set(summary["peak_rss_mb_per_stage"]) == {"0", "1"}  # JSON object keys
     if "paci" in config:
         assert "weight drift" in out
         drift = summary["drift_per_stage"]
