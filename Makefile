@@ -33,10 +33,10 @@ test: $(STAMP)
 	$(PY) -m pytest tests -q
 
 bench: $(STAMP)
-	$(PY) -m ds_paci.bench --preset headline --out docs/results
+	$(PY) -m ds_paci.tools.bench --preset headline --out docs/results
 
 simulate: $(STAMP)
-	$(PY) -m ds_paci.simulate --stages 2 4 8 --micro-batches 4 8 16
+	$(PY) -m ds_paci.tools.simulate --stages 2 4 8 --micro-batches 4 8 16
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -19,7 +19,6 @@ import sys
 import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 EXIT_USAGE = 2
 
@@ -63,8 +62,8 @@ def check_inputs(args, world_size):
 
     Every rank reaches the same verdict, so a bad input ends all of them together.
     """
-    from ds_paci.config import PACIConfigError, load_config, parse_paci_section
-    from ds_paci.data import DataError, load_corpus
+    from ds_paci.core.config import PACIConfigError, load_config, parse_paci_section
+    from ds_paci.workload.data import DataError, load_corpus
     try:
         ds_config = load_config(args.deepspeed_config)
         parse_paci_section(ds_config.get("paci"))
@@ -103,7 +102,7 @@ def check_inputs(args, world_size):
 
 
 def build_model_config(args, vocab_size, eos_id, stages):
-    from ds_paci.models import gpt2_config
+    from ds_paci.workload.gpt2 import gpt2_config
     try:
         cfg = gpt2_config(args.model, vocab_size=vocab_size, n_positions=args.n_positions, n_embd=args.n_embd,
                           n_layer=args.n_layer, n_head=args.n_head, eos_token_id=eos_id)
@@ -167,9 +166,9 @@ def main(argv=None):
         deepspeed.utils.logger.setLevel(logging.WARNING)
 
     import ds_paci
-    from ds_paci.data import (DataError, MicroBatchIterator, encode_documents, eval_micro_batches, get_tokenizer,
+    from ds_paci.workload.data import (DataError, MicroBatchIterator, encode_documents, eval_micro_batches, get_tokenizer,
                               split_documents)
-    from ds_paci.models import gpt2_pipeline
+    from ds_paci.workload.gpt2 import gpt2_pipeline
 
     try:
         train_docs, val_docs = split_documents(docs)

@@ -10,83 +10,83 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_paci import bench
+from ds_paci.tools.bench import analysis, cli, config, meters, report
 
 # -- arithmetic ------------------------------------------------------------------------------
 
 
 def test_ideal_ratio_and_share_of_ideal():
-    assert bench.ideal_ratio(8, 8) == pytest.approx(15 / 8)
-    assert bench.ideal_ratio(4, 4) == pytest.approx(7 / 4)
-    assert bench.ideal_ratio(2, 4) == pytest.approx(5 / 4)
-    assert bench.share_of_ideal(1.5, 8, 8) == pytest.approx(1.5 / 1.875)
-    assert bench.share_of_ideal(bench.ideal_ratio(4, 4), 4, 4) == pytest.approx(1.0)
+    assert analysis.ideal_ratio(8, 8) == pytest.approx(15 / 8)
+    assert analysis.ideal_ratio(4, 4) == pytest.approx(7 / 4)
+    assert analysis.ideal_ratio(2, 4) == pytest.approx(5 / 4)
+    assert analysis.share_of_ideal(1.5, 8, 8) == pytest.approx(1.5 / 1.875)
+    assert analysis.share_of_ideal(analysis.ideal_ratio(4, 4), 4, 4) == pytest.approx(1.0)
 
 
 def test_expected_seconds_per_batch_counts_3f_per_micro_batch_and_block():
-    assert bench.expected_seconds_per_batch("paci", 4, 4, 0.02) == pytest.approx(4 * 3 * 0.02)
-    assert bench.expected_seconds_per_batch("stock", 4, 4, 0.02) == pytest.approx(7 * 3 * 0.02)
-    assert bench.expected_seconds_per_batch("stock", 4, 4, 0.02, blocks_per_stage=2) == pytest.approx(2 * 7 * 3 * 0.02)
+    assert analysis.expected_seconds_per_batch("paci", 4, 4, 0.02) == pytest.approx(4 * 3 * 0.02)
+    assert analysis.expected_seconds_per_batch("stock", 4, 4, 0.02) == pytest.approx(7 * 3 * 0.02)
+    assert analysis.expected_seconds_per_batch("stock", 4, 4, 0.02, blocks_per_stage=2) == pytest.approx(2 * 7 * 3 * 0.02)
 
 
 def test_per_round_ratios_and_median_skip_missing_values():
-    assert bench.per_round_ratios([2.0, 3.0, None], [1.0, 2.0, 4.0]) == [2.0, 1.5, None]
-    assert bench.per_round_ratios([1.0], [0.0]) == [None]
-    assert bench.median_of([3.0, None, 1.0, 2.0]) == 2.0
-    assert bench.median_of([None, None]) is None
+    assert analysis.per_round_ratios([2.0, 3.0, None], [1.0, 2.0, 4.0]) == [2.0, 1.5, None]
+    assert analysis.per_round_ratios([1.0], [0.0]) == [None]
+    assert analysis.median_of([3.0, None, 1.0, 2.0]) == 2.0
+    assert analysis.median_of([None, None]) is None
 
 
 def test_steady_state_span_skips_warmup_calls_of_every_segment():
     calls = [(float(i), i + 0.9) for i in range(10)]  # call i runs from i to i + 0.9
     segments = [{"first_call": 0, "calls": 6}, {"first_call": 6, "calls": 4}]
-    count, seconds = bench.steady_state_span(calls, segments, warmup=2)
+    count, seconds = analysis.steady_state_span(calls, segments, warmup=2)
     assert count == 4 + 2
     assert seconds == pytest.approx((5.9 - 2.0) + (9.9 - 8.0))
     # a segment no longer than the warm-up contributes nothing
-    assert bench.steady_state_span(calls, [{"first_call": 0, "calls": 2}], warmup=2) == (0, 0.0)
+    assert analysis.steady_state_span(calls, [{"first_call": 0, "calls": 2}], warmup=2) == (0, 0.0)
 
 
 def test_time_to_target_interpolates_at_the_first_crossing():
     points = [(0, 0.0, 5.0), (10, 10.0, 4.0), (20, 30.0, 3.0), (30, 40.0, 3.5), (40, 50.0, 2.0)]
-    seconds, steps = bench.time_to_target(points, 3.5)
+    seconds, steps = analysis.time_to_target(points, 3.5)
     assert seconds == pytest.approx(20.0) and steps == pytest.approx(15.0)  # halfway between 4.0 and 3.0
     # the first crossing counts even if the curve goes back up later
-    assert bench.time_to_target(points, 3.0) == pytest.approx((30.0, 20.0))
-    assert bench.time_to_target(points, 1.0) is None
-    assert bench.time_to_target(points, 6.0) == (0.0, 0.0)
+    assert analysis.time_to_target(points, 3.0) == pytest.approx((30.0, 20.0))
+    assert analysis.time_to_target(points, 1.0) is None
+    assert analysis.time_to_target(points, 6.0) == (0.0, 0.0)
 
 
 def test_speedups_at_reference_levels_time_each_loss_the_reference_reached():
     stock = [(0, 0.0, 5.0), (10, 10.0, 4.0), (20, 20.0, 3.0)]
     paci = [(0, 0.0, 5.0), (10, 5.0, 4.5), (20, 10.0, 3.5)]
-    levels = bench.speedups_at_reference_levels(stock, paci)
+    levels = analysis.speedups_at_reference_levels(stock, paci)
     assert levels[0] == pytest.approx((4.0, 10.0, 7.5, 10.0 / 7.5))  # 4.0 is halfway between 4.5 and 3.5
     assert levels[1] == (3.0, 20.0, None, None)
 
 
 def test_default_target_is_a_factor_over_stocks_median_final_loss():
-    assert bench.default_target_loss([2.0, 3.0, 2.5]) == pytest.approx(1.02 * 2.5)
-    assert bench.relative_difference(2.04, 2.0) == pytest.approx(0.02)
+    assert analysis.default_target_loss([2.0, 3.0, 2.5]) == pytest.approx(1.02 * 2.5)
+    assert analysis.relative_difference(2.04, 2.0) == pytest.approx(0.02)
 
 
 # -- configurations ----------------------------------------------------------------------------
 
 
 def test_configurations_are_validated_and_emulated_gets_a_block_per_stage():
-    cfg = bench.make_config("emulated", stages=8)
+    cfg = config.make_config("emulated", stages=8)
     assert (cfg.stages, cfg.micro_batches, cfg.n_layer, cfg.name) == (8, 8, 8, "emulated_P8_M8")
     assert "emulated" in cfg.label()
-    assert "emulated" not in bench.make_config("real").label()
+    assert "emulated" not in config.make_config("real").label()
     with pytest.raises(ValueError, match="device-time"):
-        bench.make_config("emulated", device_time=0.0)
+        config.make_config("emulated", device_time=0.0)
     with pytest.raises(ValueError, match="warmup"):
-        bench.make_config("real", steps=4, eval_every=2, warmup=2)
+        config.make_config("real", steps=4, eval_every=2, warmup=2)
     with pytest.raises(ValueError, match="n_layer"):
-        bench.make_config("real", stages=8)
-    headline = bench.presets()["headline"].configs
+        config.make_config("real", stages=8)
+    headline = config.presets()["headline"].configs
     assert [(c.mode, c.stages, c.micro_batches) for c in headline] == [("real", 2, 4), ("emulated", 4, 4),
                                                                        ("emulated", 8, 8)]
-    overridden = bench.override_config(headline[2], {"stages": 4, "steps": None})
+    overridden = config.override_config(headline[2], {"stages": 4, "steps": None})
     assert (overridden.stages, overridden.n_layer, overridden.name) == (4, 4, "emulated_P4_M8")
 
 
@@ -97,7 +97,7 @@ def test_activation_meter_counts_saved_storages_once_and_releases_them_after_bac
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     engine = SimpleNamespace(module=module, pipe_buffers={"inputs": [], "outputs": []})
-    meter = bench.ActivationMeter(engine)
+    meter = meters.ActivationMeter(engine)
     x = torch.randn(8, 16)
     with meter.training():
         first = module(x)
@@ -116,7 +116,7 @@ def test_activation_meter_counts_saved_storages_once_and_releases_them_after_bac
 
 def test_activation_meter_ignores_evaluation():
     module = torch.nn.Linear(4, 4)
-    meter = bench.ActivationMeter(SimpleNamespace(module=module, pipe_buffers={}))
+    meter = meters.ActivationMeter(SimpleNamespace(module=module, pipe_buffers={}))
     with torch.no_grad():
         module(torch.randn(2, 4))
     with meter.training(), torch.no_grad():
@@ -125,7 +125,7 @@ def test_activation_meter_ignores_evaluation():
 
 
 def test_stock_tracer_names_instructions_like_the_paci_trace():
-    tracer = bench.StockInstructionTracer(rank=0, stage=0)
+    tracer = meters.StockInstructionTracer(rank=0, stage=0)
     texts = [tracer._text(name) for name in ("LoadMicroBatch", "ForwardPass", "SendActivation", "LoadMicroBatch",
                                              "ForwardPass", "RecvGrad", "BackwardPass", "ReduceGrads",
                                              "OptimizerStep", "OptimizerStep")]
@@ -151,12 +151,12 @@ def _fake_entry(cfg):
               {"stock": _fake_run("stock", 110.0, 0.9, [5.0, 4.0, 3.0], 9.0),
                "paci": _fake_run("paci", 190.0, 0.5, [5.0, 4.0, 3.03], 5.0)}]
     import dataclasses
-    return {"config": dataclasses.asdict(cfg), "comparison": bench.compare_engines(cfg, rounds, None),
+    return {"config": dataclasses.asdict(cfg), "comparison": analysis.compare_engines(cfg, rounds, None),
             "rounds": rounds}
 
 
 def test_compare_engines_medians_ratios_and_time_to_target():
-    cfg = bench.make_config("emulated", stages=8)
+    cfg = config.make_config("emulated", stages=8)
     c = _fake_entry(cfg)["comparison"]
     assert c["ratio"]["per_round"] == pytest.approx([1.8, 190 / 110])
     assert c["ratio"]["median"] == pytest.approx((1.8 + 190 / 110) / 2)
@@ -179,22 +179,22 @@ def test_compare_engines_medians_ratios_and_time_to_target():
 
 
 def test_measured_values_print_with_their_unit():
-    assert bench.format_measured(None, "ratio") == "not reached"
-    assert bench.format_measured(1.8123, "ratio") == "1.812"
-    assert bench.format_measured(0.0557, "relative") == "+5.57%"
-    assert bench.format_measured(True, "bool") == "yes"
+    assert report.format_measured(None, "ratio") == "not reached"
+    assert report.format_measured(1.8123, "ratio") == "1.812"
+    assert report.format_measured(0.0557, "relative") == "+5.57%"
+    assert report.format_measured(True, "bool") == "yes"
 
 
 def test_markdown_tables_say_emulated_for_emulated_rows_only():
-    entries = [_fake_entry(bench.make_config("real")), _fake_entry(bench.make_config("emulated", stages=4))]
-    for table in (bench.throughput_table(entries), bench.accuracy_table(entries), bench.memory_table(entries),
-                  bench.levels_table(entries), bench.targets_table(entries)):
+    entries = [_fake_entry(config.make_config("real")), _fake_entry(config.make_config("emulated", stages=4))]
+    for table in (report.throughput_table(entries), report.accuracy_table(entries), report.memory_table(entries),
+                  report.levels_table(entries), report.targets_table(entries)):
         rows = [line for line in table.splitlines()[2:]]
         assert rows and all(line.startswith("| ") for line in rows)
         assert any("emulated P=4 M=4" in line for line in rows)
         for line in rows:
             assert ("emulated" in line) == ("P=4" in line)
-    throughput = bench.throughput_table(entries)
+    throughput = report.throughput_table(entries)
     assert "(0.240, x" in throughput  # emulated row shows expected seconds per batch: 4 * 3f
 
 
@@ -203,12 +203,12 @@ def test_markdown_tables_say_emulated_for_emulated_rows_only():
 
 def test_smoke_preset_writes_json_markdown_and_plots(tmp_path):
     out = tmp_path / "results"
-    assert bench.main(["--preset", "smoke", "--out", str(out), "--log-dir", str(tmp_path / "logs")]) == 0
-    name = bench.presets()["smoke"].configs[0].name
+    assert cli.main(["--preset", "smoke", "--out", str(out), "--log-dir", str(tmp_path / "logs")]) == 0
+    name = config.presets()["smoke"].configs[0].name
     entry = json.loads((out / f"{name}.json").read_text())
     assert entry["emulated"] and "emulated" in entry["label"]
     c = entry["comparison"]
-    for engine in bench.ENGINES:
+    for engine in config.ENGINES:
         assert c["tokens_per_second"][engine]["median"] > 0
         assert all(stage["peak_saved_bytes"] > 0 and stage["peak_held_bytes"] > 0 and stage["peak_rss_bytes"] > 0
                    for stage in c["memory"][engine])
@@ -218,7 +218,7 @@ def test_smoke_preset_writes_json_markdown_and_plots(tmp_path):
     assert all(stage["aliases_share_storage"] for stage in c["memory"]["paci"])
     finals = c["time_to_target"]["final_val_loss"]
     assert 0 < finals["paci"] < 6 and 0 < finals["stock"] < 6
-    for engine in bench.ENGINES:
+    for engine in config.ENGINES:
         validation = entry["rounds"][0][engine]["validation"]
         assert [p["step"] for p in validation] == [0, 3, 6]
         assert validation[-1]["loss"] < validation[0]["loss"]
@@ -232,6 +232,6 @@ def test_smoke_preset_writes_json_markdown_and_plots(tmp_path):
     assert os.path.isfile(tmp_path / "logs" / name / "paci_round0" / "rank0.log")
     # re-analysis from the stored JSON reproduces the comparison without running anything
     (out / "summary.md").unlink()
-    assert bench.main(["--preset", "smoke", "--out", str(out), "--summary-only"]) == 0
+    assert cli.main(["--preset", "smoke", "--out", str(out), "--summary-only"]) == 0
     assert json.loads((out / f"{name}.json").read_text())["comparison"] == c
     assert "emulated P=2 M=2" in (out / "summary.md").read_text()

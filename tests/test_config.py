@@ -6,7 +6,7 @@ import pytest
 
 import workers
 from harness import run_world
-from ds_paci.config import PACIConfig, PACIConfigError, load_config, parse_paci_section
+from ds_paci.core.config import PACIConfig, PACIConfigError, load_config, parse_paci_section
 
 
 def test_defaults_and_valid_section():

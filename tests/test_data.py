@@ -1,4 +1,4 @@
-"""Corpus loading, document split, tokenizers and micro-batch iterators (ds_paci.data)."""
+"""Corpus loading, document split, tokenizers and micro-batch iterators (ds_paci.workload.data)."""
 
 import os
 import subprocess
@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from ds_paci import data
-from ds_paci.data import (ByteTokenizer, DataError, Document, GPT2Tokenizer, LocalBPETokenizer, MicroBatchIterator,
+from ds_paci.workload import data
+from ds_paci.workload.data import (ByteTokenizer, DataError, Document, GPT2Tokenizer, LocalBPETokenizer, MicroBatchIterator,
                           encode_documents, eval_micro_batches, get_tokenizer, load_corpus, split_documents)
 
 
@@ -234,7 +234,7 @@ def test_independent_instances_are_identical_and_ignore_global_rng():
 def test_instances_in_another_process_are_identical(tmp_path):
     script = textwrap.dedent("""
         import sys, torch
-        from ds_paci.data import MicroBatchIterator
+        from ds_paci.workload.data import MicroBatchIterator
         tokens = torch.arange(50000) % 251
         it = MicroBatchIterator(tokens, 2, 32, seed=11, dp_rank=1, dp_size=2)
         torch.save([next(it) for _ in range(50)], sys.argv[1])

@@ -9,7 +9,7 @@ import torch
 import workers
 from harness import run_world
 from mlp import layer_weights, regression_batches
-from ds_paci.schedule import LocalStep, PACIStream, drift_bound
+from ds_paci.core.schedule import LocalStep, PACIStream, drift_bound
 from deepspeed.runtime.pipe import schedule as ds
 from spy import POINT_TO_POINT, cross_stage_collectives
 

@@ -1,4 +1,4 @@
-"""GPT-2 pipeline layers (ds_paci.models) and emulated device time (ds_paci.emulate)."""
+"""GPT-2 pipeline layers (ds_paci.workload.gpt2) and emulated device time (ds_paci.workload.emulate)."""
 
 import math
 import time
@@ -7,8 +7,8 @@ import pytest
 import torch
 from harness import run_world
 
-from ds_paci.emulate import EmulatedDeviceTime
-from ds_paci.models import (SIZES, Block, Embedding, FinalNorm, LMHead, gpt2_config, gpt2_pipeline,
+from ds_paci.workload.emulate import EmulatedDeviceTime
+from ds_paci.workload.gpt2 import (SIZES, Block, Embedding, FinalNorm, LMHead, gpt2_config, gpt2_pipeline,
                             gpt2_reference_model, lm_loss)
 
 

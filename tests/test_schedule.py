@@ -5,8 +5,8 @@ import itertools
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from ds_paci.simulate import simulate
-from ds_paci.schedule import (LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction, format_stream,
+from ds_paci.tools.simulate import simulate
+from ds_paci.core.schedule import (LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction, format_stream,
                               num_buffers, pairing_violations, parse_instruction, parse_stream, stream_violations)
 
 

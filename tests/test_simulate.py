@@ -5,8 +5,8 @@ import math
 import pytest
 from deepspeed.runtime.pipe.schedule import RecvActivation, SendGrad
 
-from ds_paci.schedule import drift_bound, num_buffers, parse_stream
-from ds_paci.simulate import (CostModel, DeadlockError, PairingError, comparison_rows, long_run_period, main,
+from ds_paci.core.schedule import drift_bound, num_buffers, parse_stream
+from ds_paci.tools.simulate import (CostModel, DeadlockError, PairingError, comparison_rows, long_run_period, main,
                               markdown_table, paci_programs, reference_rows, simulate, simulate_paci, simulate_stock,
                               stock_programs)
 

@@ -10,8 +10,8 @@ import time
 import torch
 
 import ds_paci
-from ds_paci.data import ByteTokenizer, MicroBatchIterator, encode_documents, eval_micro_batches, load_corpus
-from ds_paci.models import gpt2_config, gpt2_pipeline
+from ds_paci.workload.data import ByteTokenizer, MicroBatchIterator, encode_documents, eval_micro_batches, load_corpus
+from ds_paci.workload.gpt2 import gpt2_config, gpt2_pipeline
 
 SEQ = 32
 MICRO = 2

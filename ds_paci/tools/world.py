@@ -63,7 +63,7 @@ def _entry(rank, world_size, port, log_path, fn, args, results, env, gloo_timeou
     torch.set_num_threads(1)
     import deepspeed
 
-    from .runtime import skip_cpu_jit_ops
+    from ds_paci.core.runtime import skip_cpu_jit_ops
     try:
         skip_cpu_jit_ops()
         deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=gloo_timeout_s))

@@ -1,7 +1,7 @@
 """Discrete-event simulation of per-stage pipeline instruction streams.
 
 Runs the very instruction streams the engines execute, without processes or tensors:
-PACI's :class:`~ds_paci.schedule.PACIStream` (see :func:`paci_programs`) and DeepSpeed's
+PACI's :class:`~ds_paci.core.schedule.PACIStream` (see :func:`paci_programs`) and DeepSpeed's
 own ``TrainSchedule`` (see :func:`stock_programs`), under a :class:`CostModel`, and
 measures bubble, in-flight activations, weight-version drift and deadlocks.
 
@@ -40,7 +40,10 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
                                              TrainSchedule)
 
-from ds_paci.schedule import LocalAccumulate, LocalStep, PACIStream, format_instruction
+from ds_paci.core.schedule import LocalAccumulate, LocalStep, PACIStream, format_instruction
+
+from .records import COMPUTE_KINDS, records_from_sim
+from .render import to_chrome_trace, to_png, to_text_grid
 
 __all__ = [
     "CostModel", "Event", "StuckStage", "Deadlock", "DeadlockError", "PairingError", "SimResult", "simulate",
@@ -141,7 +144,6 @@ class PairingError(ValueError):
     """Raised by :meth:`SimResult.raise_for_errors` when paired send/recv name different micro-batches."""
 
 
-COMPUTE_KINDS = ("forward", "backward", "step", "load")
 
 
 @dataclass
@@ -609,7 +611,7 @@ def markdown_table(rows):
 
 
 def _parser():
-    p = argparse.ArgumentParser(prog="python -m ds_paci.simulate",
+    p = argparse.ArgumentParser(prog="python -m ds_paci.tools.simulate",
                                 description="Simulate stock DeepSpeed 1F1B-flush vs PACI streams; print one "
                                 "markdown table over the grid of stages x micro-batches.")
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
@@ -644,8 +646,6 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.timeline or args.chrome or args.png:
-        from ds_paci import timeline  # renders records; it does not depend on this module's internals
-
         P, M = args.stages[0], args.micro_batches[0]
         if args.schedule == "paci":
             result = simulate_paci(P, M, args.window, args.calls, cost)
@@ -656,15 +656,15 @@ def main(argv=None):
         title = f"simulated {label}, P={P}, M={M}, {args.calls} calls"
         if result.deadlock:
             print(result.deadlock, file=sys.stderr)
-        records = timeline.records_from_sim(result)
+        records = records_from_sim(result)
         if args.timeline:
             print()
             print(title)
-            print(timeline.to_text_grid(records, width=args.width))
+            print(to_text_grid(records, width=args.width))
         if args.chrome:
-            timeline.to_chrome_trace(records, args.chrome, label=title)
+            to_chrome_trace(records, args.chrome, label=title)
         if args.png:
-            timeline.to_png(records, args.png, title)
+            to_png(records, args.png, title)
     return 0
 
 

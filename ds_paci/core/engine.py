@@ -21,7 +21,7 @@ Contract (see also ``docs``/README):
   step boundary.
 * Backward passes of micro-batches that cross a local step use the *current*
   weights (PACI "perf" semantics) on stock PyTorch: optimizers step through
-  ``.data`` (see :mod:`ds_paci.local_step`), so autograd's version check never fires.
+  ``.data`` (see :mod:`ds_paci.core.local_step`), so autograd's version check never fires.
 * Gradient clipping (``gradient_clipping > 0``) is stage-local: each stage clips by
   the norm of its own gradients. The PACI default is no clipping.
 * Telemetry: :meth:`paci_stats` (version, local steps, drift histogram),

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..emulate import EmulatedDeviceTime
+from .emulate import EmulatedDeviceTime
 
 __all__ = [
     "SIZES",

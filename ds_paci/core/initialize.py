@@ -1,0 +1,71 @@
+"""``initialize``: ``deepspeed.initialize`` that builds the PACI engine when the config asks for it."""
+
+import contextlib
+import copy
+
+from .config import load_config, parse_paci_section, validate_run
+from .engine import PACIPipelineEngine
+from .runtime import skip_cpu_jit_ops
+
+
+@contextlib.contextmanager
+def _pipeline_engine_class(cls):
+    """Make ``deepspeed.initialize`` build ``cls`` for a PipelineModule, for the duration of the block.
+
+    DeepSpeed 0.19 looks the class up as the module global ``deepspeed.PipelineEngine``
+    at call time, so a scoped rebind keeps every other step of initialize intact.
+    """
+    import deepspeed
+    original = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = cls
+    try:
+        yield
+    finally:
+        deepspeed.PipelineEngine = original
+
+
+def initialize(args=None,
+               model=None,
+               optimizer=None,
+               model_parameters=None,
+               training_data=None,
+               lr_scheduler=None,
+               distributed_port=None,
+               mpu=None,
+               dist_init_required=None,
+               collate_fn=None,
+               config=None,
+               mesh_param=None,
+               config_params=None):
+    """Drop-in for ``deepspeed.initialize``: same arguments, same 4-tuple.
+
+    Raises :class:`PACIConfigError` (on every rank, before any engine is built) when
+    the ``paci`` section or its combination with the run cannot be honoured.
+    """
+    import deepspeed
+    kwargs = dict(model=model,
+                  optimizer=optimizer,
+                  model_parameters=model_parameters,
+                  training_data=training_data,
+                  lr_scheduler=lr_scheduler,
+                  mpu=mpu,
+                  dist_init_required=dist_init_required,
+                  collate_fn=collate_fn,
+                  mesh_param=mesh_param)
+    if distributed_port is not None:
+        kwargs["distributed_port"] = distributed_port
+    skip_cpu_jit_ops()
+    ds_config = load_config(config if config is not None else config_params, args)
+    paci = parse_paci_section(ds_config.get("paci"))
+    if not paci.enabled:
+        return deepspeed.initialize(args=args, config=config, config_params=config_params, **kwargs)
+    ds_config = validate_run(ds_config, model, paci)
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    with _pipeline_engine_class(PACIPipelineEngine):
+        result = deepspeed.initialize(args=args, config=ds_config, **kwargs)
+    if not isinstance(result[0], PACIPipelineEngine):
+        raise RuntimeError(f"deepspeed {deepspeed.__version__} did not build the PACI engine (got "
+                           f"{type(result[0]).__name__}); ds_paci supports deepspeed 0.19.x")
+    return result

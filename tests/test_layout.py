@@ -1,0 +1,113 @@
+"""The package's layout is its architecture: no import circles, and dependencies point one way.
+
+Reads every module of ``ds_paci`` as source (imports inside functions count too) and
+checks the graph of imports between the package's own modules.
+"""
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ds_paci"
+
+# part -> parts it must never import (``ds_paci`` alone is the public facade over core)
+FORBIDDEN = {
+    "core": {"tools", "workload", "integrations", "facade"},
+    "workload": {"core", "tools", "integrations", "facade"},
+    "tools": {"integrations"},
+    "integrations": {"tools"},
+}
+
+
+def module_name(path):
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules():
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name, path, known):
+    """The package modules ``name`` imports (absolute, relative, module- or function-level)."""
+    is_package = path.name == "__init__.py"
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    found = set()
+
+    def add(target):
+        # ``from a.b import c`` may import module a.b.c or name c of a.b; keep the longest known module
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                add(f"{base}.{alias.name}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    mods = modules()
+    return {name: imports_of(name, path, mods) for name, path in mods.items()}
+
+
+def part_of(module):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "facade"
+
+
+def test_the_graph_is_read_correctly(graph):
+    # guards against a parser that silently finds nothing: known edges must be there
+    assert "ds_paci.core.schedule" in graph["ds_paci.core.engine"]
+    assert "ds_paci.core.engine" in graph["ds_paci.core.initialize"]
+    assert "ds_paci.tools.records" in graph["ds_paci.tools.simulate"]
+    assert "ds_paci.workload.emulate" in graph["ds_paci.workload.gpt2"]
+    assert "ds_paci.tools.bench.config" in graph["ds_paci.tools.bench.runner"]
+
+
+def test_no_import_circle(graph):
+    """Depth-first search for a back edge; reports the circle it finds."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                circle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import circle: " + " -> ".join(circle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_dependencies_point_one_way(graph):
+    wrong = [(src, dst) for src, targets in graph.items() for dst in targets
+             if part_of(dst) in FORBIDDEN.get(part_of(src), set())]
+    assert not wrong, "imports against the layering: " + ", ".join(f"{s} -> {d}" for s, d in wrong)
+
+
+def test_entry_points_do_not_edit_sys_path():
+    root = PACKAGE.parent
+    offenders = [str(p.relative_to(root)) for folder in ("launch", "ds_paci") for p in (root / folder).rglob("*.py")
+                 if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()]
+    assert not offenders, offenders
