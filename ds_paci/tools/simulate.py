@@ -47,8 +47,8 @@ from .render import to_chrome_trace, to_png, to_text_grid
 
 __all__ = [
     "CostModel", "Event", "StuckStage", "Deadlock", "DeadlockError", "PairingError", "SimResult", "simulate",
-    "stock_programs", "paci_programs", "simulate_stock", "simulate_paci", "long_run_period", "reference_rows",
-    "comparison_rows", "markdown_table", "main"
+    "stock_programs", "paci_programs", "simulate_stock", "simulate_paci", "simulate_schedule", "long_run_period",
+    "reference_rows", "comparison_rows", "markdown_table", "main"
 ]
 
 Number = Union[int, float]
@@ -465,6 +465,15 @@ def simulate_stock(stages, micro_batches, batches=1, cost=None):
     return simulate(stock_programs(stages, micro_batches, batches), cost)
 
 
+def simulate_schedule(schedule, stages, micro_batches, window=None, calls=1, cost=None):
+    """``(result, title)`` of simulating ``schedule`` ("paci" or "stock"), for timelines and reports."""
+    if schedule == "paci":
+        result, label = simulate_paci(stages, micro_batches, window, calls, cost), f"PACI a={window or micro_batches}"
+    else:
+        result, label = simulate_stock(stages, micro_batches, calls, cost), "stock 1F1B-flush"
+    return result, f"simulated {label}, P={stages}, M={micro_batches}, {calls} calls"
+
+
 def simulate_paci(stages, micro_batches, window=None, calls=1, cost=None):
     """:func:`simulate` of :func:`paci_programs` (``window`` defaults to ``micro_batches``), steady state measured."""
     window = window or micro_batches
@@ -646,14 +655,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.timeline or args.chrome or args.png:
-        P, M = args.stages[0], args.micro_batches[0]
-        if args.schedule == "paci":
-            result = simulate_paci(P, M, args.window, args.calls, cost)
-            label = f"PACI a={args.window or M}"
-        else:
-            result = simulate_stock(P, M, args.calls, cost)
-            label = "stock 1F1B-flush"
-        title = f"simulated {label}, P={P}, M={M}, {args.calls} calls"
+        result, title = simulate_schedule(args.schedule, args.stages[0], args.micro_batches[0], args.window, args.calls,
+                                          cost)
         if result.deadlock:
             print(result.deadlock, file=sys.stderr)
         records = records_from_sim(result)

@@ -9,7 +9,7 @@ import sys
 
 from .records import load_records, records_from_sim
 from .render import to_chrome_trace, to_png, to_text_grid
-from .simulate import CostModel, simulate_paci, simulate_stock
+from .simulate import CostModel, simulate_schedule
 
 __all__ = ["main"]
 
@@ -42,17 +42,11 @@ def main(argv=None):
         _parser().error("give trace records or --simulate (not both)")
     if args.simulate:
         cost = CostModel(forward=args.forward, backward=args.backward, latency=args.latency)
-        P, M = args.stages, args.micro_batches
-        if args.schedule == "paci":
-            result = simulate_paci(P, M, args.window, args.calls, cost)
-            name = f"PACI a={args.window or M}"
-        else:
-            result = simulate_stock(P, M, args.calls, cost)
-            name = "stock 1F1B-flush"
+        result, title = simulate_schedule(args.schedule, args.stages, args.micro_batches, args.window, args.calls, cost)
         if result.deadlock:
             print(result.deadlock, file=sys.stderr)
         records = records_from_sim(result)
-        title = args.title or f"simulated {name}, P={P}, M={M}, {args.calls} calls"
+        title = args.title or title
     else:
         records = load_records(args.records)
         title = args.title or f"trace: {', '.join(args.records)}"
