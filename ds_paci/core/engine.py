@@ -426,7 +426,8 @@ class PACIPipelineEngine(PipelineEngine):
             else:
                 self._channel.poll()
             msg = self._channel.latest
-            if msg is not None and (self._last_loss is None or self._last_loss[1] != msg.origin_call):
+            if (msg is not None and msg.origin_call > 0  # origin 0: the last stage had no value yet either
+                    and (self._last_loss is None or self._last_loss[1] != msg.origin_call)):
                 value = torch.tensor(msg.value, dtype=torch.float32, device=self.device)
                 self._last_loss = (value, msg.origin_call)
                 self.agg_additional_losses = self._named_additional(msg.extras)

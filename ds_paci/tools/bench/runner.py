@@ -140,7 +140,7 @@ def run_rank(rank: int, job: RunJob) -> dict:
 def run_world(job: RunJob, log_dir: str, timeout: float) -> list[dict]:
     """Run ``job`` on ``job.config.stages`` processes (see :mod:`ds_paci.tools.world`); per-rank results in rank order."""
     return world.run_world(run_rank, job.config.stages, job, timeout=timeout, log_dir=log_dir,
-                           gloo_timeout_s=job.gloo_timeout_s)
+                           gloo_timeout_s=job.gloo_timeout_s, accelerator=None)  # DeepSpeed's detected accelerator
 
 
 def prepare_tokens(cfg: BenchConfig, path: str) -> dict:
