@@ -262,6 +262,7 @@ def test_a_hang_fails_within_a_minute_and_names_rank_and_instruction():
     assert status[0] == "exit 86", status
     log = open(logs[0]).read()
     assert "rank 0 (stage 0 of 2" in log and "in SA0 at tick 1" in log, log[-2000:]
+    assert "waiting for stage 1" in log, log[-2000:]  # a send: it names the peer it waits for
 
 
 def test_a_dead_stage_is_reported_by_its_neighbour_with_position():

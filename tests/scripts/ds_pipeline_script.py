@@ -31,12 +31,14 @@ class Block(torch.nn.Module):
         return torch.tanh(self.linear(x))
 
 
-def batches(micro, dim, seed=0):
+def batches(micro, dim, seed=0, distinct=2):
+    """A fixed set of ``distinct`` micro-batches of a random tanh regression, repeated forever."""
     g = torch.Generator().manual_seed(seed)
     target = torch.randn(dim, dim, generator=g) / dim**0.5
+    xs = [torch.randn(micro, dim, generator=g) for _ in range(distinct)]
     while True:
-        x = torch.randn(micro, dim, generator=g)
-        yield x, torch.tanh(x @ target)
+        for x in xs:
+            yield x, torch.tanh(x @ target)
 
 
 def main():
