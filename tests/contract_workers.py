@@ -257,32 +257,41 @@ def poison_loss(module, bad, every_after=False):
     return module
 
 
-def nonfinite_guard(rank, stages, gas, calls, bad, bf16):
-    """Async PACI with one NaN micro-batch: the poisoned window is skipped on every stage, never applied."""
+def nonfinite_guard(rank, stages, gas, calls, bad, cases):
+    """Async PACI with one NaN micro-batch, per optimizer case: the poisoned window is skipped on every stage."""
     import ds_paci
     from mlp import regression_batches
     from workers import ds_config, stage_weights
-    model = poison_loss(_aux_pipeline(stages, 2 * stages), bad)
-    cfg = ds_config(gas, {"enabled": True}, optimizer=False, bf16=bf16)
-    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
-                                                       "warmup_num_steps": 100, "warmup_type": "linear"}}
-    engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    data = regression_batches(2)
-    if bf16:
-        data = ((x.bfloat16(), y.bfloat16()) for x, y in data)
-    records = []
-    for _ in range(calls):
-        loss = engine.train_batch(data)
-        records.append({"loss": loss.item(), "applied": engine.was_step_applied(), "lr": engine.get_lr()[0],
-                        "version": engine.weight_version, "skipped": engine.paci_stats()["skipped_steps"],
-                        "norm": engine.get_global_grad_norm()})
-    engine.drain()
-    stats = engine.paci_stats()
-    weights = stage_weights(engine)
-    return {"records": records, "stats": stats, "finite": all(bool(torch.isfinite(w).all()) for w in weights.values()),
-            "lr": engine.get_lr()[0], "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-            "optimizer": type(engine.optimizer).__name__}
+    out = {}
+    for case in cases:
+        bf16 = case == "bf16"
+        model = poison_loss(_aux_pipeline(stages, 2 * stages), bad)
+        cfg = ds_config(gas, {"enabled": True}, optimizer=False, bf16=bf16)
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                           "warmup_num_steps": 100, "warmup_type": "linear"}}
+        kwargs = {"model_parameters": model.parameters()}
+        if case == "torch.optim":
+            kwargs = {"optimizer": torch.optim.AdamW(model.parameters(), lr=0.01)}
+        else:
+            cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}
+        engine, *_ = ds_paci.initialize(model=model, config=cfg, **kwargs)
+        data = regression_batches(2)
+        if bf16:
+            data = ((x.bfloat16(), y.bfloat16()) for x, y in data)
+        records = []
+        for _ in range(calls):
+            loss = engine.train_batch(data)
+            records.append({"loss": loss.item(), "applied": engine.was_step_applied(), "lr": engine.get_lr()[0],
+                            "version": engine.weight_version, "skipped": engine.paci_stats()["skipped_steps"],
+                            "norm": engine.get_global_grad_norm()})
+        engine.drain()
+        weights = stage_weights(engine)
+        out[case] = {"records": records, "stats": engine.paci_stats(), "lr": engine.get_lr()[0],
+                     "finite": all(bool(torch.isfinite(w).all()) for w in weights.values()),
+                     "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+                     "optimizer": type(engine.optimizer).__name__}
+        engine.destroy()
+    return out
 
 
 def consecutive_skips_stop(rank, stages, gas, bad, limit):

@@ -63,6 +63,12 @@ def test_pipeline_with_data_parallel_replicas_and_zero1():
         by_stage.setdefault(r["async"]["stage"], []).append(r["async"]["weights"])
     for stage, (w1, w2) in by_stage.items():
         assert max_weight_diff(w1, w2) == 0.0, f"stage {stage}"
+    # get_global_grad_norm() under ZeRO-1: the stage's own norm, the same on its replicas, different across stages
+    norms = {}
+    for r in results:
+        norms.setdefault(r["async"]["stage"], set()).add(r["async"]["norm"])
+    assert all(len(v) == 1 and math.isfinite(next(iter(v))) for v in norms.values()), norms
+    assert norms[0] != norms[1]
     assert all(math.isfinite(x) for x in last[0]["async"]["losses"] if x is not None)
 
 

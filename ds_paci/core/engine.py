@@ -129,9 +129,11 @@ class PACIPipelineEngine(PipelineEngine):
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(self._config.monitor_config)
         if self.global_rank == self.grid.stage_to_global(self.num_stages - 1):
-            logger.info(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
-                        f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
-                        f"gradient clipping: {self._clipping}")
+            # A warning where PACI departs from DeepSpeed's default (no "gradient_clipping" key, async mode).
+            log = logger.warning if "DeepSpeed's default" in self._clipping else logger.info
+            log(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
+                f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
+                f"gradient clipping: {self._clipping}")
 
     def _validate_before_build(self, args, kwargs):
         """The refusals of ``ds_paci.initialize``, before DeepSpeed builds the optimizer (on every rank)."""
@@ -149,7 +151,7 @@ class PACIPipelineEngine(PipelineEngine):
 
     @property
     def weight_version(self):
-        """Local optimizer steps this stage has applied."""
+        """Local steps this stage has taken (a skipped step counts too: it is the stream's weight version)."""
         return self.telemetry.version
 
     @property

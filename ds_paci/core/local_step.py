@@ -33,6 +33,16 @@ is the stock engine exactly):
 4. **Clipping** (:func:`clipping_policy`): ``gradient_clipping`` > 0 clips by that stage-local norm. When
    the config does not set ``gradient_clipping`` (DeepSpeed's default 1.0 clips by a norm over all stages,
    a cross-stage collective), async PACI does not clip.
+
+DeepSpeed internals the engine contract relies on (checked against 0.19.8; the list to re-check for another
+DeepSpeed version): ``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
+``global_steps``, ``global_samples``, the scheduler's ``TypeError`` fallback), mirrored by :func:`skip_step`
+and :func:`step_lr`; the wrappers' ``mpu`` / ``model_parallel_*`` / ``clip_grad`` / ``overflow`` /
+``_global_grad_norm`` attributes (here); ``engine._config._param_dict`` and ``_config.gradient_clipping``
+(:func:`clipping_policy`); ``PipelineEngine``'s ``total_loss``, ``total_additional_losses``, ``fwd_outputs``
+and ``agg_additional_losses`` (``engine._last_stage_loss``); ``deepspeed.initialize`` passing
+``config_class`` to the engine (``config.engine_config``) and reading ``deepspeed.PipelineEngine`` at call
+time (``initialize._pipeline_engine_class``).
 """
 
 import math
