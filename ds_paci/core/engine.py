@@ -452,14 +452,17 @@ class PACIPipelineEngine(PipelineEngine):
             loss = (self.total_loss / n).detach().clone()
             extras = OrderedDict((k, (v / n).detach().clone()) for k, v in (self.total_additional_losses or {}).items()
                                  if torch.is_tensor(v))
-            if self.is_data_parallel:
-                flat = torch.cat([loss.reshape(-1).float()] + [v.reshape(-1).float() for v in extras.values()])
+            if self.is_data_parallel and not extras:  # as DeepSpeed's _aggregate_total_loss reduces it
+                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+                loss /= self.dp_world_size
+            elif self.is_data_parallel:  # one reduce for the loss and the additional losses, as DeepSpeed does
+                flat = torch.cat([loss.reshape(-1)] + [v.reshape(-1) for v in extras.values()])
                 dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
                 flat /= self.dp_world_size
-                loss = flat[:loss.numel()].reshape(loss.shape).to(loss.dtype)
+                loss = flat[:loss.numel()].clone().reshape(loss.shape)
                 offset = loss.numel()
                 for k, v in extras.items():
-                    extras[k] = flat[offset:offset + v.numel()].reshape(v.shape).to(v.dtype)
+                    extras[k] = flat[offset:offset + v.numel()].clone().reshape(v.shape)
                     offset += v.numel()
         self.agg_additional_losses = extras or None
         return loss
