@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ds_paci-installed
-export DS_ACCELERATOR ?= cpu
+# DeepSpeed picks the accelerator (CUDA with NCCL where present, else the CPU with gloo); DS_ACCELERATOR overrides.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
 CONFIG ?= configs/paci.json

@@ -9,12 +9,14 @@ exactly what ``deepspeed.initialize`` returns.
 
 from .core.config import PACIConfig, PACIConfigError, load_config, parse_paci_section, validate_run
 from .core.engine import PACIPipelineEngine, PACIStreamError
+from .core.guard import PACINonFiniteError
 from .core.initialize import initialize
 from .core.runtime import init_distributed, skip_cpu_jit_ops
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "initialize", "PACIPipelineEngine", "PACIConfig", "PACIConfigError", "PACIStreamError", "init_distributed",
+    "initialize", "PACIPipelineEngine", "PACIConfig", "PACIConfigError", "PACIStreamError", "PACINonFiniteError",
+    "init_distributed",
     "skip_cpu_jit_ops", "__version__"
 ]

@@ -13,14 +13,14 @@ every rank at once with one line that names the problem and the fix (exit code 2
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
 import time
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 EXIT_USAGE = 2
+EXIT_NONFINITE = 3  # the non-finite guard stopped the run (see ds_paci.core.guard)
 
 
 class UsageError(Exception):
@@ -253,6 +253,7 @@ def main(argv=None):
     recent_losses, window_start, window_steps = [], time.perf_counter(), 0
     train_seconds = 0.0
     last_loss = None
+    nonfinite_steps, window_nonfinite = [], []
     for step in range(start_step + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss = engine.train_batch(data)
@@ -260,7 +261,11 @@ def main(argv=None):
         window_steps += 1
         if loss is not None:
             last_loss = float(loss)
-            recent_losses = (recent_losses + [last_loss])[-10:]
+            if math.isfinite(last_loss):
+                recent_losses = (recent_losses + [last_loss])[-10:]
+            elif engine.is_last_stage():  # the loss computed this step is NaN/inf (never a stale value here)
+                nonfinite_steps.append(step)
+                window_nonfinite.append(step)
         if step % args.log_interval == 0 or step == args.steps:
             elapsed = time.perf_counter() - window_start
             tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
@@ -271,8 +276,14 @@ def main(argv=None):
                 bound = max(s.get("drift_bound", 0) for s in stats)
                 drift = f" | drift {seen} (bound {bound}, all stages as of step {stats_step})"
             loss_txt = f"{last_loss:.4f}" if last_loss is not None else "   n/a"
+            guard = ""
+            if window_nonfinite:
+                guard = f" | non-finite loss at step {', '.join(map(str, window_nonfinite))}"
+            if engine.skipped_steps:
+                guard += f" | skipped steps {engine.skipped_steps} (non-finite gradients; this stage)"
+            window_nonfinite = []
             reporter.say(f"step {step:>6}/{args.steps} | loss {loss_txt} | {tps:,.0f} tokens/s | "
-                         f"lr {engine.get_lr()[0]:.2e}{drift} | eta {fmt_time(eta)}")
+                         f"lr {engine.get_lr()[0]:.2e}{drift}{guard} | eta {fmt_time(eta)}")
             reporter.record(event="train", step=step, loss=last_loss, tokens_per_s=tps, lr=engine.get_lr()[0],
                             time=time.time())
             window_start, window_steps = time.perf_counter(), 0
@@ -283,7 +294,7 @@ def main(argv=None):
             save(step)
 
     tail = engine.drain() if is_paci else None
-    if tail is not None:
+    if tail is not None and engine.paci_stats()["loss_age"] == 0 and math.isfinite(float(tail)):
         recent_losses = (recent_losses + [float(tail)])[-10:]
     final_val = evaluate(args.steps)
     if args.checkpoint_dir:
@@ -298,6 +309,8 @@ def main(argv=None):
         "final_train_loss": train_loss, "first_val_loss": first_val, "final_val_loss": final_val,
         "peak_rss_mb_per_stage": {s["stage"]: round(s["rss_mb"], 1) for s in stats if s["dp"] == 0},
         "drift_per_stage": {s["stage"]: s.get("drift_histogram") for s in stats if s["dp"] == 0} if is_paci else None,
+        "nonfinite_loss_steps": nonfinite_steps,
+        "skipped_steps_per_stage": {s["stage"]: s.get("skipped_steps") for s in stats if s["dp"] == 0} if is_paci else None,
     }
     reporter.record(event="summary", **summary)
     rss = " | ".join(f"stage {k}: {v:.0f} MB" for k, v in summary["peak_rss_mb_per_stage"].items())
@@ -313,6 +326,9 @@ def main(argv=None):
     if is_paci:
         lines.append("weight drift     " + " | ".join(
             f"stage {s['stage']}: {s['drift_histogram']} (bound {s['drift_bound']})" for s in stats if s["dp"] == 0))
+    if nonfinite_steps or any(summary["skipped_steps_per_stage"] or {}):
+        lines.append(f"non-finite       loss at step(s) {nonfinite_steps or 'none'}; skipped local steps per stage "
+                     f"{summary['skipped_steps_per_stage']}")
     lines.append(f"metrics          {reporter.path}")
     reporter.say("\n".join(lines))
     reporter.close()
@@ -321,5 +337,17 @@ def main(argv=None):
     return 0
 
 
+def run(argv=None):
+    """``main`` with the non-finite guard's stop turned into one line and exit code :data:`EXIT_NONFINITE`."""
+    try:
+        return main(argv)
+    except Exception as e:
+        from ds_paci.core.guard import PACINonFiniteError
+        if not isinstance(e, PACINonFiniteError):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

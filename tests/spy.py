@@ -1,4 +1,9 @@
-"""Record every torch.distributed call a process makes (op name and the global ranks of its group)."""
+"""Record every torch.distributed call a process makes (op name, the global ranks of its group, the peer).
+
+Each record is a 3-tuple ``(op, group_ranks, peer)`` with one more attribute, ``default_group``: True when
+the call used the default (WORLD) group, where the pipeline's own transfers run; False for a group of its
+own (e.g. PACI's loss side channel, a per-pipeline gloo group).
+"""
 
 import contextlib
 
@@ -11,6 +16,22 @@ COLLECTIVES = [
     "batch_isend_irecv"
 ]
 POINT_TO_POINT = ["send", "recv", "isend", "irecv"]
+
+
+class Call(tuple):
+    """``(op, group_ranks, peer)``, plus ``.default_group``."""
+
+    def __new__(cls, op, ranks, peer, default_group=True):
+        self = super().__new__(cls, (op, ranks, peer))
+        self.default_group = default_group
+        return self
+
+    def __reduce__(self):  # results travel between processes by pickle
+        return (Call, (self[0], self[1], self[2], self.default_group))
+
+    op = property(lambda self: self[0])
+    ranks = property(lambda self: self[1])
+    peer = property(lambda self: self[2])
 
 
 def _group_ranks(group):
@@ -34,7 +55,8 @@ def record_distributed_calls():
                 peer = kwargs.get("dst", kwargs.get("src"))
                 if peer is None and len(args) > 1:
                     peer = args[1]
-            calls.append((name, _group_ranks(group), peer))
+            default = group is None or group is tdist.GroupMember.WORLD
+            calls.append(Call(name, _group_ranks(group), peer, default))
             return fn(*args, **kwargs)
 
         return spy
@@ -48,6 +70,16 @@ def record_distributed_calls():
     finally:
         for name, fn in originals.items():
             setattr(tdist, name, fn)
+
+
+def side_channel_transfers(calls):
+    """Point-to-point calls made on a group of their own (not the pipeline's default group)."""
+    return [c for c in calls if c.op in POINT_TO_POINT and not c.default_group]
+
+
+def pipeline_transfers(calls):
+    """Point-to-point calls on the default group: the pipeline's activations and gradients."""
+    return [c for c in calls if c.op in POINT_TO_POINT and c.default_group]
 
 
 def cross_stage_collectives(calls, stage_of_rank):

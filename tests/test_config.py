@@ -12,8 +12,9 @@ from ds_paci.core.config import PACIConfig, PACIConfigError, load_config, parse_
 def test_defaults_and_valid_section():
     assert parse_paci_section(None) == PACIConfig()
     cfg = parse_paci_section({"enabled": True, "accumulation_window": 8, "drain_every_batch": True,
-                              "watchdog_seconds": 30, "trace": True, "trace_dir": "runs/t"})
+                              "watchdog_seconds": 30, "trace": True, "trace_dir": "runs/t", "max_consecutive_skips": 0})
     assert cfg.enabled and cfg.accumulation_window == 8 and cfg.watchdog_seconds == 30.0 and cfg.trace
+    assert cfg.max_consecutive_skips == 0 and PACIConfig().max_consecutive_skips == 5
     assert cfg.window(4) == 8 and PACIConfig(enabled=True).window(4) == 4
 
 
@@ -25,6 +26,8 @@ def test_defaults_and_valid_section():
     ({"enabled": "yes"}, '"paci.enabled" = \'yes\''),
     ({"enabled": True, "watchdog_seconds": -1}, "seconds >= 0"),
     ({"enabled": True, "trace_dir": ""}, '"paci.trace_dir"'),
+    ({"enabled": True, "max_consecutive_skips": -1}, '"paci.max_consecutive_skips" = -1'),
+    ({"enabled": True, "max_consecutive_skips": 2.5}, "an integer >= 0"),
     ([1, 2], '"paci" must be an object'),
 ])
 def test_bad_sections_name_key_value_and_what_is_allowed(section, needle):

@@ -82,7 +82,7 @@ def stock_vs_sync(rank, stages, batches, gas, bf16, client_optimizer, zero_stage
             engine.drain()
         out[name] = {"type": type(engine).__name__, "losses": losses, "weights": stage_weights(engine),
                      "calls": calls, "stage_of_rank": stage_of_rank(engine), "optimizer": type(engine.optimizer).__name__,
-                     "stage": engine.stage_id}
+                     "stage": engine.stage_id, "norm": _as_float(engine.get_global_grad_norm())}
     return out
 
 

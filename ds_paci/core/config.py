@@ -7,6 +7,7 @@ Example (JSON)::
         "accumulation_window": 8,
         "drain_every_batch": false,
         "watchdog_seconds": 300,
+        "max_consecutive_skips": 5,
         "trace": false
     }
 
@@ -25,6 +26,9 @@ Keys (every one optional except ``enabled``):
 ``watchdog_seconds`` (number >= 0, default 300; 0 turns it off)
     A stage that waits longer than this inside one instruction prints where it is
     stuck (rank, stage, instruction, tick) and aborts, instead of hanging.
+``max_consecutive_skips`` (int >= 0, default 5; 0 never stops)
+    Async mode skips a local step whose gradient is not finite (see :mod:`ds_paci.core.guard`); after
+    this many skips in a row at one stage, every rank stops with one line naming the stage and the step.
 ``trace`` (bool, default false)
     Record start and end time of every instruction (for timelines); the most recent
     million records are kept.
@@ -32,7 +36,9 @@ Keys (every one optional except ``enabled``):
     Where ``engine.write_trace()`` writes ``trace_rank<R>.jsonl`` when called without a path.
 
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
-names the key, the value and what is allowed.
+names the key, the value and what is allowed. ``ds_paci.initialize`` and
+``PACIPipelineEngine.__init__`` both call it (the engine before DeepSpeed builds its
+optimizer), so building the engine class directly fails the same way.
 """
 
 import copy
@@ -54,6 +60,7 @@ class PACIConfig:
     accumulation_window: Optional[int] = None
     drain_every_batch: bool = False
     watchdog_seconds: float = 300.0
+    max_consecutive_skips: int = 5
     trace: bool = False
     trace_dir: Optional[str] = None
 
@@ -67,6 +74,7 @@ _KEYS = {
     "accumulation_window": "an integer >= 1 (default: gradient_accumulation_steps)",
     "drain_every_batch": "true or false",
     "watchdog_seconds": "a number of seconds >= 0 (0 turns the watchdog off)",
+    "max_consecutive_skips": "an integer >= 0 (0: never stop on skipped non-finite steps)",
     "trace": "true or false",
     "trace_dir": "a directory path",
 }
@@ -110,6 +118,11 @@ def parse_paci_section(section):
         if not (_is_int(w) or isinstance(w, float)) or isinstance(w, bool) or w < 0:
             raise bad("watchdog_seconds", w)
         kw["watchdog_seconds"] = float(w)
+    if "max_consecutive_skips" in section:
+        n = section["max_consecutive_skips"]
+        if not _is_int(n) or n < 0:
+            raise bad("max_consecutive_skips", n)
+        kw["max_consecutive_skips"] = n
     if "trace_dir" in section:
         d = section["trace_dir"]
         if d is not None and (not isinstance(d, str) or not d):
@@ -161,10 +174,12 @@ def _tied_keys_across_stages(model):
 
 
 def validate_run(ds_config, model, paci):
-    """Fail fast on every combination the PACI engine cannot honour; returns the config to hand to DeepSpeed.
+    """Fail fast on every combination the PACI engine cannot honour; returns a copy of the config, unchanged.
 
     Runs identically on every rank (it reads only the config and the module's
     layer specs), so every rank raises the same error and none is left waiting.
+    Called by ``ds_paci.initialize`` and again by ``PACIPipelineEngine.__init__``.
+    Clipping defaults are the engine's business (see its docstring), not this function's.
     """
     from deepspeed.runtime.pipe.module import PipelineModule
     if not isinstance(model, PipelineModule):
@@ -184,8 +199,21 @@ def validate_run(ds_config, model, paci):
         raise PACIConfigError(f"tied layers {tied} span several pipeline stages; keeping tied copies identical needs a "
                               "cross-stage gradient all-reduce, which PACI does not run (no tied-weight policy is "
                               "supported yet); untie them (e.g. a separate LM head) or place the tied layers on one stage")
-    out = copy.deepcopy(ds_config)
-    # DeepSpeed defaults gradient_clipping to 1.0 and clips by a norm shared across stages.
-    # PACI clips only when asked, and then stage-locally (see engine docs).
-    out.setdefault("gradient_clipping", 0.0)
-    return out
+    return copy.deepcopy(ds_config)
+
+
+def engine_config(args, kwargs):
+    """The raw DeepSpeed config dict a ``PipelineEngine(...)`` constructor call carries, or ``None`` if unknown.
+
+    ``deepspeed.initialize`` passes ``config`` (dict or path) and the parsed ``config_class``;
+    ``args.deepspeed_config`` is the legacy route.
+    """
+    config_class = kwargs.get("config_class")
+    if config_class is not None and isinstance(getattr(config_class, "_param_dict", None), dict):
+        return config_class._param_dict
+    config = kwargs.get("config", kwargs.get("config_params"))
+    cli = kwargs.get("args")
+    try:
+        return load_config(config, None if config is not None else cli)
+    except PACIConfigError:
+        return None

@@ -10,26 +10,48 @@ Contract (see also ``docs``/README):
   stages runs: the only cross-stage traffic is the pipeline's own point-to-point
   transfers. Data-parallel replicas of a stage reduce gradients among themselves
   at each local step.
-* Return value: on the last stage, the mean loss (a 0-dim tensor, averaged over
-  data-parallel replicas) of the micro-batches whose forward completed during this
-  call; ``None`` if none did (the first call of a deep pipeline with few
-  micro-batches). On every other stage: ``None`` (they never wait for the loss).
+* Return value, on **every** rank a 0-dim float tensor on the engine's device (never ``None``):
+  on the last stage, the mean loss (averaged over its data-parallel group) of the micro-batches whose
+  forward completed during this call, or its most recent such value if none did; on every other stage,
+  the most recent value the last stage of its own pipeline has published on the loss side channel
+  (:mod:`ds_paci.core.loss_channel`), taken without waiting. Before the first value arrives: NaN.
+  Staleness on stage ``s``: the value is from at most ``ceil((P-s)/(2M))`` calls earlier once delivered
+  (stage ``s`` ends call ``k`` only after the last stage has passed tick ``~2Mk-(P-1-s)``), plus any
+  transport delay of the side channel; :meth:`paci_stats` reports it as ``loss_age``. In sync mode every
+  rank waits for the call's own loss, as the stock engine's broadcast does. ``get_additional_losses()``
+  follows the same rule.
 * ``drain()`` completes all in-flight micro-batches and closes every open window
-  (a partial window is stepped as is). ``eval_batch``, ``save_checkpoint``,
-  ``load_checkpoint``, ``set_train_batch_size`` and ``reset_activation_shape``
-  drain first. A drained engine is in the state a synchronous run reaches at a
-  step boundary.
+  (a partial window is stepped as is); it returns like ``train_batch``. It enables
+  gradients for its own backward passes, so ``eval_batch``, ``save_checkpoint`` and
+  ``load_checkpoint`` (which drain first) work under ``torch.no_grad()``.
+  ``set_train_batch_size`` drains only when the size changes, ``reset_activation_shape``
+  only when something is in flight. A drained engine is in the state a synchronous
+  run reaches at a step boundary.
 * Backward passes of micro-batches that cross a local step use the *current*
   weights (PACI "perf" semantics) on stock PyTorch: optimizers step through
   ``.data`` (see :mod:`ds_paci.core.local_step`), so autograd's version check never fires.
-* Gradient clipping (``gradient_clipping > 0``) is stage-local: each stage clips by
-  the norm of its own gradients. The PACI default is no clipping.
+* Sync mode (``drain_every_batch`` with ``a = M``) is the stock engine: DeepSpeed's
+  norms, clipping (default 1.0 when the key is absent, over the whole pipeline),
+  overflow handling and scheduler; its local steps wait for the end of the call, as
+  DeepSpeed's ``OptimizerStep`` does. Async mode: clipping by each stage's own norm
+  when ``gradient_clipping`` is set, none when the key is absent (said in the start-up
+  log line); a local step whose gradient is not finite is skipped (the scheduler
+  still steps), ``was_step_applied()`` says so, and ``paci.max_consecutive_skips``
+  skips in a row stop every rank (:mod:`ds_paci.core.guard`).
+* ``was_step_applied()``: False only after a skipped step (True before the first one).
+  ``get_global_grad_norm()``: the stage's own gradient norm at its last local step
+  (async; over its data-parallel group, never across stages), DeepSpeed's value in
+  sync mode.
+* Refusals (:func:`ds_paci.core.config.validate_run`) run in ``__init__`` too, before
+  DeepSpeed builds the optimizer, so building the class directly fails the same way.
 * Telemetry: :meth:`paci_stats` (version, local steps, drift histogram),
   :meth:`paci_trace` / :meth:`write_trace` (per-instruction times when
   ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
 """
 
+import math
 import time
+from collections import OrderedDict
 
 import torch
 from deepspeed import comm as dist
@@ -38,13 +60,19 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              SendActivation, SendGrad)
 from deepspeed.utils import logger
 
-from .config import parse_paci_section
+from .config import engine_config, parse_paci_section, validate_run
 from .feed import MicroBatchFeed
-from .local_step import clip_stage_gradients, make_stage_local
+from .guard import PACINonFiniteError, SkipCounter, assert_finite_weights, stop_message
+from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_local
+from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
 from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
 from .telemetry import StageTelemetry
 from .watchdog import Watchdog
+
+
+def _describe_instruction(instruction):
+    return instruction if isinstance(instruction, str) else format_instruction(instruction)
 
 
 class PACIStreamError(RuntimeError):
@@ -64,11 +92,17 @@ class PACIPipelineEngine(PipelineEngine):
     """DeepSpeed ``PipelineEngine`` that executes PACI streams (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
+        self._validate_before_build(args, kwargs)
         super().__init__(*args, **kwargs)
         self.paci = parse_paci_section(self._config._param_dict.get("paci"))
+        if not hasattr(self, "_validated"):
+            validate_run(self._config._param_dict, self.module, self.paci)
+        # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
+        self._stock_step = self.paci.drain_every_batch and self.paci.window(self.micro_batches) == self.micro_batches
         self._stream = PACIStream(self.num_stages, self.stage_id, self.paci.window(self.micro_batches))
         self._reserve_pipe_buffers(self._stream.nbuf)
-        self._aliases = make_stage_local(self)
+        self._aliases = make_stage_local(self, confine=not self._stock_step)
+        self._clipping = clipping_policy(self, stock=self._stock_step)
         self.telemetry = StageTelemetry(rank=self.global_rank,
                                         stage=self.stage_id,
                                         stages=self.num_stages,
@@ -78,14 +112,37 @@ class PACIPipelineEngine(PipelineEngine):
         self._feed = MicroBatchFeed()
         self._in_stream = False
         self._calls = 0
-        self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, format_instruction)
+        self._loss_calls = 0  # train_batch and drain calls: one side-channel message each
+        self._drains = 0
+        self._deferred_steps = []
+        self._releasing_steps = False
+        self._skips = SkipCounter(self.paci.max_consecutive_skips)
+        self._stop_request = None
+        self._paci_grad_norm = None
+        self._step_applied = True  # False only once a step was actually skipped
+        self._last_loss = None  # (loss tensor, origin call) most recently returned
+        self._loss_fresh = False
+        self._channel = LossChannel(*pipeline_groups(self.grid), self.stage_id)
+        self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
+                                  explain=self._explain_wait)
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(self._config.monitor_config)
         if self.global_rank == self.grid.stage_to_global(self.num_stages - 1):
-            logger.info(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
-                        f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
-                        f"gradient_clipping={self.gradient_clipping()} (stage-local)")
+            # A warning where PACI departs from DeepSpeed's default (no "gradient_clipping" key, async mode).
+            log = logger.warning if "DeepSpeed's default" in self._clipping else logger.info
+            log(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
+                f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
+                f"gradient clipping: {self._clipping}")
+
+    def _validate_before_build(self, args, kwargs):
+        """The refusals of ``ds_paci.initialize``, before DeepSpeed builds the optimizer (on every rank)."""
+        config = engine_config(args, kwargs)
+        model = kwargs.get("model")
+        if config is None or model is None:
+            return  # unusual constructor call: validated after DeepSpeed's own __init__ instead
+        validate_run(config, model, parse_paci_section(config.get("paci")))
+        self._validated = True
 
     # -- public API -----------------------------------------------------------------
     @property
@@ -94,7 +151,7 @@ class PACIPipelineEngine(PipelineEngine):
 
     @property
     def weight_version(self):
-        """Local optimizer steps this stage has applied."""
+        """Local steps this stage has taken (a skipped step counts too: it is the stream's weight version)."""
         return self.telemetry.version
 
     @property
@@ -119,17 +176,22 @@ class PACIPipelineEngine(PipelineEngine):
         if self.paci.drain_every_batch:
             self._run_drain()
         self.timers(TRAIN_BATCH_TIMER).stop()
-        loss = self._end_losses()
+        loss = self._finish_call()
         self._calls += 1
         self._report(loss)
         return loss
 
     def drain(self):
-        """Complete everything in flight and close open windows; returns the mean loss completed meanwhile (last stage)."""
+        """Complete everything in flight and close open windows; returns like :meth:`train_batch`.
+
+        Enables gradients for its own backward passes (callers may hold ``torch.no_grad()``).
+        """
         self.module.train()
         self._begin_losses()
-        self._run_drain()
-        return self._end_losses()
+        with torch.enable_grad():
+            self._run_drain()
+        self._drains += 1
+        return self._finish_call()
 
     def eval_batch(self, data_iter, *args, **kwargs):
         """Drain, then DeepSpeed's own ``eval_batch`` (its barrier and loss broadcast are legal once drained)."""
@@ -137,8 +199,12 @@ class PACIPipelineEngine(PipelineEngine):
         return super().eval_batch(data_iter, *args, **kwargs)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """Drain, then save an ordinary DeepSpeed checkpoint with the stream position under ``client_state['ds_paci']``."""
+        """Drain, then save an ordinary DeepSpeed checkpoint with the stream position under ``client_state['ds_paci']``.
+
+        Refuses (on every rank, before writing anything) to save non-finite weights.
+        """
         self.drain()
+        assert_finite_weights(self)
         state = dict(client_state or {})
         state["ds_paci"] = {"stream": self._stream.state_dict(), "telemetry": self.telemetry.summary()}
         return super().save_checkpoint(save_dir,
@@ -151,6 +217,7 @@ class PACIPipelineEngine(PipelineEngine):
         """Drain, load a DeepSpeed checkpoint, and resume the stream where the saved (drained) one stopped."""
         self.drain()
         path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        self._clipping = clipping_policy(self, stock=self._stock_step)  # wrappers restore their saved clip value
         if path is not None and client_state and "ds_paci" in client_state:
             self._stream.load_state_dict(client_state["ds_paci"]["stream"])
             self.telemetry.version = self._stream.version
@@ -158,10 +225,17 @@ class PACIPipelineEngine(PipelineEngine):
         return path, client_state
 
     def set_train_batch_size(self, train_batch_size):
-        """Drain, change the number of micro-batches; a defaulted window follows the new ``gradient_accumulation_steps``."""
+        """Change the number of micro-batches: a no-op for the current size; otherwise drain once, then switch.
+
+        A defaulted window (and the window of sync mode) follows the new ``gradient_accumulation_steps``.
+        """
+        if train_batch_size == self.train_batch_size():
+            return
+        if train_batch_size % (self.train_micro_batch_size_per_gpu() * self.dp_world_size) != 0:
+            super().set_train_batch_size(train_batch_size)  # DeepSpeed's own ValueError, before any drain
         self.drain()
         super().set_train_batch_size(train_batch_size)
-        if self.paci.accumulation_window is None:
+        if self.paci.accumulation_window is None or self._stock_step:
             self._stream.window = self.micro_batches
             self.telemetry.window = self.micro_batches
             self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, self.micro_batches)
@@ -172,18 +246,38 @@ class PACIPipelineEngine(PipelineEngine):
         super().reset_activation_shape()
 
     def destroy(self):
-        """Stop the watchdog thread, then DeepSpeed's own clean-up."""
+        """Stop the watchdog thread, drop the side channel's pending transfers, then DeepSpeed's own clean-up."""
         if getattr(self, "_watchdog", None) is not None:  # destroy() may run on a half-built engine
             self._watchdog.close()
+        if getattr(self, "_channel", None) is not None:
+            self._channel.close()
         super().destroy()
 
+    def was_step_applied(self):
+        """False only if this stage's most recent local step was skipped (a non-finite gradient, or an overflow)."""
+        return self._step_applied
+
+    def get_global_grad_norm(self):
+        """Async: this stage's own gradient norm at its last local step (after the data-parallel reduce; never
+        across stages). Sync mode: DeepSpeed's value (``None`` for a plain fp32 optimizer, as in the stock engine)."""
+        return self._global_grad_norm
+
     def paci_stats(self):
-        """This stage's telemetry: version, local steps, drift histogram and bound, micro-batches, stream position."""
+        """This stage's telemetry: version, local steps, drift, stream position, skips, drains, loss age."""
         stats = self.telemetry.summary()
+        origin = None if self._last_loss is None else self._last_loss[1]
         stats.update(in_flight=self._stream.in_flight(),
                      ticks=self._stream.ticks_emitted,
                      next_micro_batch=self._stream.next_micro_batch(),
-                     train_batch_calls=self._calls)
+                     train_batch_calls=self._calls,
+                     loss_calls=self._loss_calls,
+                     drains=self._drains,
+                     skipped_steps=self._skips.total,
+                     consecutive_skips=self._skips.consecutive,
+                     max_consecutive_skips=self._skips.limit,
+                     grad_norm=None if self._global_grad_norm is None else float(self._global_grad_norm),
+                     loss_origin_call=origin,
+                     loss_age=None if origin is None else self._loss_calls - origin)
         return stats
 
     def paci_trace(self):
@@ -201,11 +295,19 @@ class PACIPipelineEngine(PipelineEngine):
     def _run_drain(self):
         self._run(self._stream.drain())
         self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
+        if self._deferred_steps:  # sync mode: the call's local step(s) after its last tick, as DeepSpeed steps
+            steps, self._deferred_steps = self._deferred_steps, []
+            self._releasing_steps = True
+            try:
+                self._run([steps], first_tick=self._stream.ticks_emitted)
+            finally:
+                self._releasing_steps = False
 
-    def _run(self, ticks):
+    def _run(self, ticks, first_tick=None):
         table = self._PACI_INSTRUCTIONS
         telemetry, watchdog = self.telemetry, self._watchdog
-        first_tick = self._stream.ticks_emitted - len(ticks)
+        if first_tick is None:
+            first_tick = self._stream.ticks_emitted - len(ticks)
         self._in_stream = True
         cmd, tick_id = None, first_tick
         try:
@@ -220,7 +322,13 @@ class PACIPipelineEngine(PipelineEngine):
                     else:
                         table[type(cmd)](self, cmd)
                     watchdog.done()
+        except PACINonFiniteError:
+            raise
         except Exception as e:
+            # A peer that stopped the run (non-finite guard) breaks our transfers: say why, not just how.
+            notice = self._channel.stop_notice(wait_s=2.0) if self._channel.active else None
+            if notice is not None:
+                raise PACINonFiniteError(self._stop_text(notice)) from e
             raise PACIStreamError(f"{self._describe_rank()} failed in {format_instruction(cmd)} at tick {tick_id} "
                                   f"of its stream: {type(e).__name__}: {e}") from e
         finally:
@@ -253,16 +361,27 @@ class PACIPipelineEngine(PipelineEngine):
         self.telemetry.accumulate(cmd.buffer_id, cmd.micro_batch_id)
 
     def _exec_local_step(self, cmd):
+        if self._stock_step and not self._releasing_steps:
+            self._deferred_steps.append(cmd)  # run at the end of the call (see _run_drain)
+            return
         self._exec_reduce_grads()  # DP group of this stage only
         if self._aliases is not None:
             self._aliases.bind_grads()
-        self._exec_optimizer_step()
+        if self._stock_step:
+            self._exec_optimizer_step()  # DeepSpeed's step exactly (sync mode)
+            applied = self._step_applied
+        else:
+            applied = guarded_step(self)
         if self._aliases is not None:
             self._aliases.release_grads()
         self.telemetry.stepped()
+        if self._skips.record(applied, cmd.version) and not self._stock_step:
+            self._stop_request = (self._skips.last_skipped_step, self._skips.consecutive, self._skips.limit)
 
     def clip_fp32_gradients(self):
-        clip_stage_gradients(self, self.gradient_clipping())
+        if self._stock_step:
+            return super().clip_fp32_gradients()
+        clip_by_norm(self.module.parameters(), self.gradient_clipping(), self._paci_grad_norm)
 
     _PACI_INSTRUCTIONS = {
         LoadMicroBatch: _buffer_op(PipelineEngine._exec_load_micro_batch),
@@ -283,28 +402,120 @@ class PACIPipelineEngine(PipelineEngine):
         self.fwd_outputs = []
         self._compute_loss = True
 
-    def _end_losses(self):
-        """Mean loss of the micro-batches completed since :meth:`_begin_losses` (last stage), averaged over DP."""
-        if not self.is_last_stage() or not self.fwd_outputs:
-            self.agg_train_loss = None
-            return None
-        with torch.no_grad():
-            loss = (self.total_loss / len(self.fwd_outputs)).detach().clone()
-            if self.is_data_parallel:
-                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
-                loss /= self.dp_world_size
+    def _finish_call(self):
+        """End of a ``train_batch``/``drain`` call: the loss every rank returns, the side channel, the stop check."""
+        self._loss_calls += 1
+        self._loss_fresh = False
+        if self.is_last_stage():
+            computed = self._last_stage_loss()
+            if computed is not None:
+                self._last_loss = (computed, self._loss_calls)
+                self._loss_fresh = True
+                if not math.isfinite(float(computed)):
+                    self.telemetry.nonfinite_losses += 1
+            if self._channel.active:
+                loss, origin = self._last_loss if self._last_loss is not None else (None, 0)
+                extras = list((self.agg_additional_losses or {}).values()) if self._loss_fresh else self._last_extras
+                self._last_extras = extras
+                self._channel.publish(loss, origin, extras)
+        elif self._channel.active:
+            if self.paci.drain_every_batch:
+                self._watchdog.enter("the loss of the last stage (sync mode)", self._stream.ticks_emitted)
+                try:
+                    self._channel.wait_for(self._loss_calls)
+                finally:
+                    self._watchdog.idle()
+            else:
+                self._channel.poll()
+            msg = self._channel.latest
+            if (msg is not None and msg.origin_call > 0  # origin 0: the last stage had no value yet either
+                    and (self._last_loss is None or self._last_loss[1] != msg.origin_call)):
+                value = torch.tensor(msg.value, dtype=torch.float32, device=self.device)
+                self._last_loss = (value, msg.origin_call)
+                self.agg_additional_losses = self._named_additional(msg.extras)
+        self._check_stop()
+        if self._last_loss is None:
+            loss = torch.tensor(math.nan, dtype=torch.float32, device=self.device)
+        else:
+            loss = self._last_loss[0].clone()
         self.agg_train_loss = loss
         return loss
 
+    _last_extras = ()
+
+    def _last_stage_loss(self):
+        """Mean loss (and additional losses) of the micro-batches completed in this call, averaged over DP; or None."""
+        if not self.fwd_outputs or not torch.is_tensor(self.total_loss):
+            return None
+        n = len(self.fwd_outputs)
+        with torch.no_grad():
+            loss = (self.total_loss / n).detach().clone()
+            extras = OrderedDict((k, (v / n).detach().clone()) for k, v in (self.total_additional_losses or {}).items()
+                                 if torch.is_tensor(v))
+            if self.is_data_parallel and not extras:  # as DeepSpeed's _aggregate_total_loss reduces it
+                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
+                loss /= self.dp_world_size
+            elif self.is_data_parallel:  # one reduce for the loss and the additional losses, as DeepSpeed does
+                flat = torch.cat([loss.reshape(-1)] + [v.reshape(-1) for v in extras.values()])
+                dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
+                flat /= self.dp_world_size
+                loss = flat[:loss.numel()].clone().reshape(loss.shape)
+                offset = loss.numel()
+                for k, v in extras.items():
+                    extras[k] = flat[offset:offset + v.numel()].clone().reshape(v.shape)
+                    offset += v.numel()
+        self.agg_additional_losses = extras or None
+        return loss
+
+    def _named_additional(self, values):
+        """Additional losses from the side channel, named as the module names them (as DeepSpeed's engine does)."""
+        names = self.module.get_additional_losses()
+        if not names or not values:
+            return None
+        return OrderedDict((name, torch.tensor(v, dtype=torch.float32, device=self.device))
+                           for name, v in zip(names.keys(), values))
+
+    def _check_stop(self):
+        """Raise :class:`PACINonFiniteError` if this stage, or another stage of its pipeline, stops the run."""
+        if self._stop_request is not None:
+            step, count, limit = self._stop_request
+            if self._channel.active:
+                self._channel.announce_stop(step, count, limit)
+            raise PACINonFiniteError(stop_message(self.stage_id, step, count, limit, self._describe_rank()))
+        notice = self._channel.stop_notice() if self._channel.active else None
+        if notice is not None:
+            raise PACINonFiniteError(self._stop_text(notice))
+
+    def _stop_text(self, notice):
+        return stop_message(notice.stage, notice.step, notice.count, notice.limit, self._describe_rank())
+
+    def _explain_wait(self, instruction):
+        """Watchdog: what a rank stuck in ``instruction`` is waiting for."""
+        notice = self._channel.sniff_stop() if self._channel.active else None
+        if notice is not None:
+            return "; " + self._stop_text(notice)
+        if isinstance(instruction, (SendActivation, RecvGrad)):
+            return (f"; it is waiting for stage {self.stage_id + 1}, which is stuck, dead or running a different "
+                    "stream")
+        if isinstance(instruction, (SendGrad, RecvActivation)):
+            return (f"; it is waiting for stage {self.stage_id - 1}, which is stuck, dead or running a different "
+                    "stream")
+        if isinstance(instruction, LocalStep):
+            return ("; it is stuck in its own local step (optimizer, or the gradient reduce with its data-parallel "
+                    "replicas)")
+        if isinstance(instruction, str):
+            return f"; it is waiting for stage {self.num_stages - 1}, the last stage of its pipeline"
+        return "; it is stuck in its own computation (forward, backward or data loading), not waiting for a peer"
+
     def _report(self, loss):
-        if self._loss_monitor is not None and loss is not None:
+        if self._loss_monitor is not None and self._loss_fresh:
             self._loss_monitor.write_events([("Train/Samples/train_loss", loss.item(), self.global_samples)])
         every = self.steps_per_print()
         if not every or self._calls % every:
             return
         if self.grid.data_parallel_id == 0:
             logger.info(f"ds_paci: {self.telemetry.describe()}")
-        if self.is_last_stage() and self.grid.data_parallel_id == 0 and loss is not None:
+        if self.is_last_stage() and self.grid.data_parallel_id == 0:
             elapsed = self.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0
             print(f"ds_paci: train_batch {self._calls} loss {loss.item():.4f} version {self.telemetry.version} "
                   f"samples/sec {self.train_batch_size() * every / max(elapsed, 1e-9):.1f}",

@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import inspect
 
 from .config import load_config, parse_paci_section, validate_run
 from .engine import PACIPipelineEngine
@@ -55,16 +56,19 @@ def initialize(args=None,
     if distributed_port is not None:
         kwargs["distributed_port"] = distributed_port
     skip_cpu_jit_ops()
+    # DeepSpeed's own initialize, even where a wrapper (e.g. the script runner's router) has been bound in its
+    # place: wrappers made with functools.wraps carry the original as __wrapped__. No recursion either way.
+    ds_initialize = inspect.unwrap(deepspeed.initialize)
     ds_config = load_config(config if config is not None else config_params, args)
     paci = parse_paci_section(ds_config.get("paci"))
     if not paci.enabled:
-        return deepspeed.initialize(args=args, config=config, config_params=config_params, **kwargs)
+        return ds_initialize(args=args, config=config, config_params=config_params, **kwargs)
     ds_config = validate_run(ds_config, model, paci)
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = copy.copy(args)
         args.deepspeed_config = None
     with _pipeline_engine_class(PACIPipelineEngine):
-        result = deepspeed.initialize(args=args, config=ds_config, **kwargs)
+        result = ds_initialize(args=args, config=ds_config, **kwargs)
     if not isinstance(result[0], PACIPipelineEngine):
         raise RuntimeError(f"deepspeed {deepspeed.__version__} did not build the PACI engine (got "
                            f"{type(result[0]).__name__}); ds_paci supports deepspeed 0.19.x")

@@ -18,7 +18,34 @@ Two problems are solved here:
    made with ``param.data``: they share storage with the parameters (so the update
    is visible to everyone) but not the version counter. DeepSpeed's BF16 and ZeRO-1
    wrappers already write parameters through ``.data`` and need no alias.
+
+Besides, the async local step owns its **policies** (sync mode leaves all of them to DeepSpeed, so that it
+is the stock engine exactly):
+
+3. **The non-finite guard** (:func:`guarded_step`): the stage's gradient norm is computed once per local
+   step (after the data-parallel reduce: every replica holds the same gradients, so every replica reaches
+   the same verdict; ZeRO-1 and BF16 wrappers compute it themselves over their data-parallel partitions
+   with the stage-local MPU). A non-finite norm skips the step: nothing is applied, gradients are zeroed,
+   ``was_step_applied()`` is False, and the LR scheduler still steps, so that every stage's learning rate
+   stays a function of the local step count (stages skip independently; DeepSpeed does not step the
+   scheduler on an overflow, which is right only when all stages skip together). The norm is what
+   ``get_global_grad_norm()`` returns: the stage's own, never across stages.
+4. **Clipping** (:func:`clipping_policy`): ``gradient_clipping`` > 0 clips by that stage-local norm. When
+   the config does not set ``gradient_clipping`` (DeepSpeed's default 1.0 clips by a norm over all stages,
+   a cross-stage collective), async PACI does not clip.
+
+DeepSpeed internals the engine contract relies on (checked against 0.19.8; the list to re-check for another
+DeepSpeed version): ``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
+``global_steps``, ``global_samples``, the scheduler's ``TypeError`` fallback), mirrored by :func:`skip_step`
+and :func:`step_lr`; the wrappers' ``mpu`` / ``model_parallel_*`` / ``clip_grad`` / ``overflow`` /
+``_global_grad_norm`` attributes (here); ``engine._config._param_dict`` and ``_config.gradient_clipping``
+(:func:`clipping_policy`); ``PipelineEngine``'s ``total_loss``, ``total_additional_losses``, ``fwd_outputs``
+and ``agg_additional_losses`` (``engine._last_stage_loss``); ``deepspeed.initialize`` passing
+``config_class`` to the engine (``config.engine_config``) and reading ``deepspeed.PipelineEngine`` at call
+time (``initialize._pipeline_engine_class``).
 """
+
+import math
 
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
@@ -84,22 +111,25 @@ class ParamAliases:
             alias.grad = None
 
 
-def make_stage_local(engine):
+def make_stage_local(engine, confine=True):
     """Confine the engine's optimizer to its stage; returns a :class:`ParamAliases` or ``None``.
 
-    Raises ``TypeError`` for an optimizer wrapper whose step we cannot confine.
+    ``confine=False`` (sync mode) leaves DeepSpeed's wrappers on the pipeline's model-parallel group, as
+    the stock engine has them. Raises ``TypeError`` for an optimizer wrapper whose step we cannot confine.
     """
     mpu = StageLocalMPU(engine.grid)
     opt = engine.optimizer
     if opt is None:
         raise TypeError("PACI needs an optimizer: pass optimizer= to initialize or add an \"optimizer\" section")
     if isinstance(opt, BF16_Optimizer):
-        opt.mpu = mpu
+        if confine:
+            opt.mpu = mpu
         return None
     if isinstance(opt, DeepSpeedZeroOptimizer):
-        opt.model_parallel_group = mpu.get_model_parallel_group()
-        opt.model_parallel_world_size = mpu.get_model_parallel_world_size()
-        opt.model_parallel_rank = mpu.get_model_parallel_rank()
+        if confine:
+            opt.model_parallel_group = mpu.get_model_parallel_group()
+            opt.model_parallel_world_size = mpu.get_model_parallel_world_size()
+            opt.model_parallel_rank = mpu.get_model_parallel_rank()
         return None
     if isinstance(opt, torch.optim.Optimizer):
         return ParamAliases(opt)
@@ -107,7 +137,95 @@ def make_stage_local(engine):
                     "ZeRO stage 0 or 1 and a torch.optim optimizer or DeepSpeed's configured one")
 
 
-def clip_stage_gradients(engine, max_norm):
-    """Clip this stage's gradients by their own norm (over the stage and its DP replicas); returns the norm."""
-    from deepspeed.runtime.utils import clip_grad_norm_
-    return clip_grad_norm_(parameters=engine.module.parameters(), max_norm=max_norm, mpu=StageLocalMPU(engine.grid))
+def is_wrapped(optimizer):
+    """True for DeepSpeed's BF16 and ZeRO-1 wrappers, which compute their own norm and skip on overflow."""
+    return isinstance(optimizer, (BF16_Optimizer, DeepSpeedZeroOptimizer))
+
+
+def clipping_policy(engine, stock):
+    """Settle ``gradient_clipping`` for the run; returns the phrase the start-up log line uses.
+
+    ``stock`` (sync mode): DeepSpeed's own behaviour, default 1.0 when the key is absent, norm over the
+    whole pipeline. Otherwise an absent key means no clipping (set on the engine and on the wrappers,
+    which DeepSpeed built with the default), and a set value clips by the stage's own norm.
+    Call again after loading a checkpoint (wrappers restore their saved clip value).
+    """
+    explicit = "gradient_clipping" in engine._config._param_dict
+    if stock:
+        return f"{engine.gradient_clipping()} over the whole pipeline, as DeepSpeed's engine (sync mode)"
+    if not explicit:
+        engine._config.gradient_clipping = 0.0
+    clip = engine.gradient_clipping()
+    if is_wrapped(engine.optimizer):
+        engine.optimizer.clip_grad = clip
+    if not explicit:
+        return ("none: the config sets no \"gradient_clipping\" (DeepSpeed's default 1.0 clips by a norm over all "
+                "stages, a cross-stage collective PACI does not run); set it to clip by each stage's own norm")
+    return f"{clip} by each stage's own gradient norm" if clip > 0 else "none (\"gradient_clipping\": 0)"
+
+
+def stage_grad_norm(parameters):
+    """2-norm of the gradients of ``parameters`` (float32, on their device); tied copies a stage does not own are left out."""
+    norms = [
+        torch.linalg.vector_norm(p.grad.detach().float()) for p in parameters
+        if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+    ]
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_by_norm(parameters, max_norm, norm):
+    """Scale gradients by ``max_norm / (norm + 1e-6)`` when that is below 1 (DeepSpeed's formula)."""
+    coef = float(max_norm) / (float(norm) + 1e-6)
+    if coef < 1.0:
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.detach().mul_(coef)
+
+
+def step_lr(engine):
+    """Advance the LR scheduler once, the way DeepSpeed's ``_take_model_step`` does."""
+    if engine.lr_scheduler is None:
+        return
+    try:
+        engine.lr_scheduler.step()
+    except TypeError:
+        engine.lr_scheduler.step(engine.train_batch_size())
+
+
+def skip_step(engine):
+    """Skip an optimizer step (nothing applied, gradients zeroed) but count it and keep the LR schedule in step."""
+    if is_wrapped(engine.optimizer):
+        engine.optimizer.zero_grad()
+    else:
+        engine.zero_grad()
+    engine._step_applied = False
+    engine.skipped_steps += 1
+    step_lr(engine)
+    engine.global_steps += 1
+    engine.global_samples += engine.train_batch_size()
+
+
+def guarded_step(engine):
+    """The async local step's optimizer part, with the non-finite guard; returns True if the step was applied.
+
+    Call after the data-parallel reduce. Leaves the stage's norm in ``engine._global_grad_norm``.
+    """
+    opt = engine.optimizer
+    if is_wrapped(opt):
+        engine._exec_optimizer_step()  # the wrapper checks its (stage-local) norm and skips on overflow
+        applied = not bool(getattr(opt, "overflow", False))
+        if not applied:
+            step_lr(engine)
+        return applied
+    norm = stage_grad_norm(engine.module.parameters())
+    value = float(norm)
+    engine._paci_grad_norm = value
+    if not math.isfinite(value):
+        skip_step(engine)
+        engine._global_grad_norm = value
+        return False
+    engine._exec_optimizer_step()  # clip_fp32_gradients() reads engine._paci_grad_norm
+    engine._global_grad_norm = value
+    return True

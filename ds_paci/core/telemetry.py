@@ -29,6 +29,7 @@ class StageTelemetry:
         self.bound = bound
         self.version = 0
         self.micro_batches = 0
+        self.nonfinite_losses = 0  # last stage: calls whose loss was NaN or inf
         self.drift = Counter()
         self.recent = []
         self.keep = keep
@@ -70,6 +71,7 @@ class StageTelemetry:
             "drift_histogram": dict(sorted(self.drift.items())),
             "max_drift": self.max_drift,
             "drift_bound": self.bound,
+            "nonfinite_losses": self.nonfinite_losses,
         }
 
     def describe(self):

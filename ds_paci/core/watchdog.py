@@ -8,6 +8,11 @@ prints the rank, the stage, the instruction (text form) and its tick in the stre
 to stderr, and terminates the process with :data:`EXIT_CODE`. Terminating closes
 the rank's connections, so its peers fail promptly too and report their own
 positions.
+
+The message says what the rank is stuck on, from the engine's ``explain(instruction)``:
+in its own computation (forward, backward, data loading, its local step) or waiting
+for a named neighbouring stage (a send or a receive), and, when another stage has
+announced that it stopped the run, that stage's reason.
 """
 
 import os
@@ -21,10 +26,11 @@ EXIT_CODE = 86
 class Watchdog:
     """Watches one process's current instruction. ``timeout <= 0`` disables it (no thread)."""
 
-    def __init__(self, timeout, describe_rank, describe_instruction):
+    def __init__(self, timeout, describe_rank, describe_instruction, explain=None):
         self.timeout = float(timeout)
         self._describe_rank = describe_rank
         self._describe_instruction = describe_instruction
+        self._explain = explain
         self._current = None  # (instruction, tick) or None when idle
         self._since = 0.0
         self._last_done = None
@@ -51,10 +57,16 @@ class Watchdog:
     def message(self, waited):
         instruction, tick = self._current
         last = "none" if self._last_done is None else self._describe_instruction(self._last_done[0])
+        if self._explain is not None:
+            try:
+                why = self._explain(instruction)
+            except Exception as e:  # the message must come out whatever happens
+                why = f"; (could not tell why: {type(e).__name__})"
+        else:
+            why = "; a neighbouring stage is stuck, dead or running a different stream"
         return (f"[ds_paci watchdog] {self._describe_rank()} has waited {waited:.0f}s in "
                 f"{self._describe_instruction(instruction)} at tick {tick} of its stream "
-                f"(last completed: {last}); a neighbouring stage is stuck, dead or running a different "
-                f"stream. Aborting this rank (exit code {EXIT_CODE}).")
+                f"(last completed: {last}){why}. Aborting this rank (exit code {EXIT_CODE}).")
 
     def _watch(self):
         period = min(1.0, self.timeout / 4)

@@ -2,13 +2,18 @@
 
 ``run_world(fn, world_size, *args)`` spawns one process per rank (``spawn`` start
 method), sets the launcher environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``DS_ACCELERATOR=cpu``), starts
-DeepSpeed's process group with a bounded gloo timeout, calls ``fn(rank, *args)``
+``LOCAL_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``DS_ACCELERATOR`` as asked), starts
+DeepSpeed's process group with a bounded timeout, calls ``fn(rank, *args)``
 and returns the per-rank results. ``fn`` must be importable by the spawned
 processes (a module-level function). Each rank's stdout and stderr go to
 ``<log_dir>/rank<R>.log``. If any rank fails or exits, or the whole run exceeds
 ``timeout`` seconds, every process is killed and :class:`WorldFailure` is raised
 with each rank's status and the tail of its log, so a hang says who was where.
+
+``accelerator="cpu"`` (the default, which the tests rely on: gloo) forces DeepSpeed's CPU
+accelerator; ``accelerator=None`` uses what DeepSpeed detects (CUDA with NCCL where present,
+else the CPU with gloo; ``DS_ACCELERATOR`` in the environment still overrides), which is what
+the benchmark passes.
 
 Used by the benchmark and by the multi-process tests.
 """
@@ -23,7 +28,7 @@ import time
 import traceback
 
 # Set in the parent around the spawn, so children see them before importing torch.
-CHILD_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 class WorldFailure(AssertionError):
@@ -66,7 +71,10 @@ def _entry(rank, world_size, port, log_path, fn, args, results, env, gloo_timeou
     from ds_paci.core.runtime import skip_cpu_jit_ops
     try:
         skip_cpu_jit_ops()
-        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=gloo_timeout_s))
+        backend = deepspeed.get_accelerator().communication_backend_name()
+        if backend == "ccl" or deepspeed.get_accelerator().device_name() == "cpu":
+            backend = "gloo"  # pipelines need point-to-point transfers, which oneCCL lacks
+        deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=gloo_timeout_s))
         out = fn(rank, *args)
         results.put((rank, "ok", _pack(out)))
     except BaseException:
@@ -93,7 +101,8 @@ def _tail(path, lines=25):
         return "<no log>"
 
 
-def run_world(fn, world_size, *args, timeout=120, log_dir=None, env=None, gloo_timeout_s=60, expect_failure=False):
+def run_world(fn, world_size, *args, timeout=120, log_dir=None, env=None, gloo_timeout_s=60, expect_failure=False,
+              accelerator="cpu"):
     """Run ``fn(rank, *args)`` on ``world_size`` processes; returns ``[result of rank 0, ...]``.
 
     With ``expect_failure=True`` returns ``(statuses, outputs, log_paths)`` instead of
@@ -106,8 +115,11 @@ def run_world(fn, world_size, *args, timeout=120, log_dir=None, env=None, gloo_t
     results = ctx.Queue()
     port = free_port()
     procs = []
-    saved_env = {k: os.environ.get(k) for k in CHILD_ENV}
-    os.environ.update(CHILD_ENV)
+    child_env = dict(CHILD_ENV)
+    if accelerator is not None:
+        child_env["DS_ACCELERATOR"] = accelerator
+    saved_env = {k: os.environ.get(k) for k in child_env}
+    os.environ.update(child_env)
     try:
         for rank in range(world_size):
             log_path = os.path.join(log_dir, f"rank{rank}.log")

@@ -61,7 +61,7 @@ def train_with_evaluations(engine, cfg: BenchConfig, train_iter, val_batches, me
     """Train ``cfg.steps`` batches with a validation at step 0, every ``eval_every`` steps and at the end.
 
     Returns per-call ``(start, end)`` times, per-call losses (``None`` where the engine
-    returned none), the segments between evaluations (``first_call``, ``calls``,
+    returned none or NaN, i.e. no value yet), the segments between evaluations (``first_call``, ``calls``,
     ``start``, ``end``: training time including PACI's drain) and ``evals``
     (``[step, loss]``).
     """
@@ -81,7 +81,8 @@ def train_with_evaluations(engine, cfg: BenchConfig, train_iter, val_batches, me
                 start = time.time()
                 loss = engine.train_batch(train_iter)
                 calls.append((start, time.time()))
-                losses.append(None if loss is None else float(loss))
+                value = None if loss is None else float(loss)
+                losses.append(None if value is None or value != value else value)  # NaN: no value yet
             if is_paci:
                 engine.drain()
         if tracer is not None:
@@ -140,7 +141,7 @@ def run_rank(rank: int, job: RunJob) -> dict:
 def run_world(job: RunJob, log_dir: str, timeout: float) -> list[dict]:
     """Run ``job`` on ``job.config.stages`` processes (see :mod:`ds_paci.tools.world`); per-rank results in rank order."""
     return world.run_world(run_rank, job.config.stages, job, timeout=timeout, log_dir=log_dir,
-                           gloo_timeout_s=job.gloo_timeout_s)
+                           gloo_timeout_s=job.gloo_timeout_s, accelerator=None)  # DeepSpeed's detected accelerator
 
 
 def prepare_tokens(cfg: BenchConfig, path: str) -> dict:
