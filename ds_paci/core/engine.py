@@ -19,6 +19,8 @@ Contract (see also ``docs``/README):
   ``load_checkpoint``, ``set_train_batch_size`` and ``reset_activation_shape``
   drain first. A drained engine is in the state a synchronous run reaches at a
   step boundary.
+* Checkpoints are atomic (:mod:`ds_paci.core.checkpoint`): ``latest`` only ever
+  names a complete checkpoint, and ``load_checkpoint`` verifies completeness first.
 * Backward passes of micro-batches that cross a local step use the *current*
   weights (PACI "perf" semantics) on stock PyTorch: optimizers step through
   ``.data`` (see :mod:`ds_paci.core.local_step`), so autograd's version check never fires.
@@ -38,7 +40,8 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              SendActivation, SendGrad)
 from deepspeed.utils import logger
 
-from .config import parse_paci_section
+from . import checkpoint
+from .config import check_accumulation_window, parse_paci_section
 from .feed import MicroBatchFeed
 from .local_step import clip_stage_gradients, make_stage_local
 from .monitor import LastStageMonitor
@@ -63,9 +66,12 @@ def _buffer_op(fn):
 class PACIPipelineEngine(PipelineEngine):
     """DeepSpeed ``PipelineEngine`` that executes PACI streams (see the module docstring)."""
 
+    saves_atomically = True  # save_checkpoint/load_checkpoint go through ds_paci.core.checkpoint
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.paci = parse_paci_section(self._config._param_dict.get("paci"))
+        check_accumulation_window(self.paci.accumulation_window, self.micro_batches)
         self._stream = PACIStream(self.num_stages, self.stage_id, self.paci.window(self.micro_batches))
         self._reserve_pipe_buffers(self._stream.nbuf)
         self._aliases = make_stage_local(self)
@@ -137,19 +143,24 @@ class PACIPipelineEngine(PipelineEngine):
         return super().eval_batch(data_iter, *args, **kwargs)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """Drain, then save an ordinary DeepSpeed checkpoint with the stream position under ``client_state['ds_paci']``."""
+        """Drain, then atomically save an ordinary DeepSpeed checkpoint with the stream position under
+        ``client_state['ds_paci']`` (see :mod:`ds_paci.core.checkpoint`)."""
         self.drain()
         state = dict(client_state or {})
         state["ds_paci"] = {"stream": self._stream.state_dict(), "telemetry": self.telemetry.summary()}
-        return super().save_checkpoint(save_dir,
-                                       tag=tag,
-                                       client_state=state,
-                                       save_latest=save_latest,
-                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        parent_save = super().save_checkpoint
+
+        def write(staging_tag, save_latest):
+            return parent_save(save_dir, tag=staging_tag, client_state=state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+        return checkpoint.atomic_save(self, save_dir, tag, save_latest, write)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """Drain, load a DeepSpeed checkpoint, and resume the stream where the saved (drained) one stopped."""
+        """Drain, verify the checkpoint is complete (:class:`~ds_paci.core.checkpoint.CheckpointError` otherwise),
+        load it, and resume the stream where the saved (drained) one stopped."""
         self.drain()
+        tag = checkpoint.verified_tag(self, load_dir, tag) or tag
         path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
         if path is not None and client_state and "ds_paci" in client_state:
             self._stream.load_state_dict(client_state["ds_paci"]["stream"])
