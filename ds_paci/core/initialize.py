@@ -5,6 +5,7 @@ import copy
 
 from .config import load_config, parse_paci_section, validate_run
 from .engine import PACIPipelineEngine
+from .lifecycle import watch_launchers
 from .runtime import skip_cpu_jit_ops
 
 
@@ -40,7 +41,9 @@ def initialize(args=None,
     """Drop-in for ``deepspeed.initialize``: same arguments, same 4-tuple.
 
     Raises :class:`PACIConfigError` (on every rank, before any engine is built) when
-    the ``paci`` section or its combination with the run cannot be honoured.
+    the ``paci`` section or its combination with the run cannot be honoured. Also starts
+    :func:`ds_paci.core.lifecycle.watch_launchers` (for any engine): a rank whose launcher
+    process dies stops instead of training on as an orphan.
     """
     import deepspeed
     kwargs = dict(model=model,
@@ -55,6 +58,7 @@ def initialize(args=None,
     if distributed_port is not None:
         kwargs["distributed_port"] = distributed_port
     skip_cpu_jit_ops()
+    watch_launchers()
     ds_config = load_config(config if config is not None else config_params, args)
     paci = parse_paci_section(ds_config.get("paci"))
     if not paci.enabled:
