@@ -441,8 +441,16 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    code = main()
-    if code > 128:  # stopped by a signal: everything is saved and flushed; skip the interpreter's slow teardown
+    try:
+        code = main()
+    except Exception:
+        # A failing rank ends at once (its peers and the launcher wait on it): no slow interpreter teardown.
+        import traceback
+        traceback.print_exc()
+        code = 1
+    except KeyboardInterrupt:  # SIGINT before the stop handlers are installed (start-up)
+        code = 128 + 2
+    if code:  # an error or a stop: everything is saved and flushed; skip the interpreter's slow teardown
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -35,9 +35,9 @@ CASES = [
      "the other rank fails fast; a fresh world resumes from what `latest` names (a complete checkpoint) and trains",
      ["tests/test_reliability.py::test_a_rank_killed_during_a_save_leaves_a_resumable_checkpoint"]),
     ("Checkpoints", "`kill -9` of a rank at a random moment of a main-job save",
-     "`--save-interval 1`; SIGKILL to a random rank U(0, 50 ms) after a staging folder appears "
+     "`--save-interval 1`; SIGKILL to a random rank U(0, 30 ms) after a staging folder appears "
      "(`python -m ds_paci.tools.savekill --kills 20` does this 20 times)",
-     "every process ends within 10 s; the next `--resume` prints `resumed from ... at step N` with N the step of "
+     "every rank ends within 10 s; the next `--resume` prints `resumed from ... at step N` with N the step of "
      "the checkpoint `latest` names, and trains to the end",
      ["tests/test_reliability.py::test_stop_signal_to_one_rank_saves_and_resume_continues"]),
     ("Checkpoints", "truncated, missing or absent checkpoint file on load",
@@ -67,7 +67,7 @@ CASES = [
      ["tests/test_reliability.py::test_stop_signal_to_one_rank_saves_and_resume_continues"]),
     ("Stops", "SIGTERM / SIGINT to the `deepspeed` runner",
      "`kill -TERM` / `kill -INT` to the runner process alone (it dies; DeepSpeed leaves launcher and ranks running)",
-     "the ranks see their launcher chain end, stop at an agreed step, save, and every process ends within 10 s",
+     "the ranks see their launcher chain end, stop at an agreed step, save, and end within 10 s; the launcher ends too",
      ["tests/test_reliability.py::test_signal_to_runner_or_launcher_ends_every_rank"]),
     ("Stops", "`kill -9` of the launcher (`deepspeed.launcher.launch`)",
      "SIGKILL to the launcher",

@@ -175,7 +175,7 @@ def test_stop_signal_to_one_rank_saves_and_resume_continues(tmp_path):
     try:
         assert run.wait_for(r"step +10/", timeout=240), run.output[-3000:]
         run.send("rank1", signal.SIGTERM)
-        gone = run.wait_gone(timeout=30)
+        gone = run.wait_gone(timeout=30, who=run.ranks())
         code = run.finish(timeout=30)
     finally:
         run.kill_all()
@@ -195,11 +195,12 @@ def test_stop_signal_to_one_rank_saves_and_resume_continues(tmp_path):
         line = run.wait_for(r"resumed from|error:", timeout=240)
         assert line and f"at step {step}" in line, run.output[-3000:]
         assert run.wait_for(r"checkpoint saved", timeout=60), run.output[-3000:]
-        kill = kill_during_save(run, ckpt, random.Random(7), max_delay=0.05)
+        kill = kill_during_save(run, ckpt, random.Random(7), max_delay=0.03)
         run.finish(timeout=30)
     finally:
         run.kill_all()
-    assert kill is not None and kill["all_gone_s"] is not None and kill["all_gone_s"] < 10, kill
+    assert kill is not None and kill["ranks_gone_s"] is not None and kill["ranks_gone_s"] < 10, kill
+    assert kill["all_gone_s"] is not None  # the launcher ends too
     tag, note = checkpoint.resume_tag(ckpt)
     assert note is None and checkpoint.verify(os.path.join(ckpt, tag))[0] == "complete"
     killed_at = step_of(ckpt, tag)
@@ -226,12 +227,14 @@ def test_signal_to_runner_or_launcher_ends_every_rank(tmp_path, target, sig):
         assert run.wait_for(r"step +10/", timeout=240), run.output[-3000:]
         run.tree()
         run.send(target, sig)
-        gone = run.wait_gone(timeout=30)
+        gone = run.wait_gone(timeout=30, who=run.ranks())
+        launcher_gone = run.wait_gone(timeout=30, who=("launcher",))
         run.finish(timeout=30)
     finally:
         run.kill_all()
     out = run.output
     assert gone is not None and gone < 10, (gone, out[-3000:])
+    assert launcher_gone is not None, out[-3000:]  # no orphaned launcher either
     step = _stop_step(run)  # a clean stop, not a crash: agreed step, checkpoint saved
     tag = checkpoint.read_latest(ckpt)
     assert checkpoint.verify(os.path.join(ckpt, tag))[0] == "complete" and step_of(ckpt, tag) == step

@@ -422,7 +422,12 @@ def _agree_ok(engine, ok):
 
 
 def verified_tag(engine, load_dir, tag=None):
-    """:func:`resolve_tag` on every rank, agreed: raises :class:`CheckpointError` on all ranks if any rank failed."""
+    """:func:`resolve_tag` on every rank, agreed: raises :class:`CheckpointError` on all ranks if any rank failed.
+
+    Universal checkpoints (``latest_universal``, DeepSpeed's own conversion format) are passed through unverified.
+    """
+    if getattr(engine, "load_universal_checkpoint", lambda: False)():
+        return tag
     error = None
     try:
         resolved = resolve_tag(load_dir, tag)

@@ -47,6 +47,7 @@ bound is at most two ``train_batch`` calls after the signal. Every rank must cal
 end, in the same order.
 """
 
+import atexit
 import os
 import select
 import signal
@@ -122,7 +123,15 @@ class StopController:
         self._previous_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         threading.Thread(target=self._read_signals, name="ds_paci-signals", daemon=True).start()
         _controller = self
+        atexit.register(self._restore_at_exit)  # while the interpreter tears down, signals act as by default again
         return self
+
+    def _restore_at_exit(self):
+        if self._previous:
+            try:
+                self.uninstall()
+            except (ValueError, OSError):
+                pass
 
     def uninstall(self):
         global _controller

@@ -113,6 +113,9 @@ class Run:
             self._tree = found
         return self._tree
 
+    def ranks(self):
+        return sorted(name for name in self.tree() if name.startswith("rank"))
+
     def send(self, target, sig):
         self.tree()[target].send_signal(sig)
 
@@ -179,8 +182,12 @@ def kill_during_save(run, ckpt_dir, rng, max_delay, victims=("rank0", "rank1"), 
     victim = rng.choice(victims)
     in_save = bool(current & set(staging_folders(ckpt_dir)))
     run.send(victim, signal.SIGKILL)
+    ranks_gone = run.wait_gone(timeout=30, who=run.ranks())
     gone = run.wait_gone(timeout=30)
-    return {"victim": victim, "delay_s": round(delay, 4), "during_save": in_save, "all_gone_s": gone}
+    if gone is not None and ranks_gone is not None:
+        gone = max(gone, ranks_gone)
+    return {"victim": victim, "delay_s": round(delay, 4), "during_save": in_save, "ranks_gone_s": ranks_gone,
+            "all_gone_s": gone}
 
 
 def step_of(ckpt_dir, tag):
@@ -196,7 +203,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-delay", type=float, default=0.05, help="seconds after a save begins (upper bound)")
+    p.add_argument("--max-delay", type=float, default=0.03,
+                   help="seconds after a save begins (upper bound; a tiny-model save takes about 35 ms here)")
     p.add_argument("--dir", help="work folder (default: a new temporary folder)")
     p.add_argument("--out", help="write the summary as JSON here")
     args = p.parse_args(argv)
@@ -240,7 +248,8 @@ def main(argv=None):
             kill["latest_after"] = read_latest(ckpt)
             kills.append(kill)
             print(f"[savekill] round {i}: killed {kill['victim']} {kill['delay_s'] * 1000:.1f} ms into a save "
-                  f"(still saving: {kill['during_save']}); every process gone in {kill['all_gone_s']:.2f} s; "
+                  f"(still saving: {kill['during_save']}); every rank gone in {kill['ranks_gone_s']:.2f} s, the launcher "
+                  f"too in {kill['all_gone_s']:.2f} s; "
                   f"latest -> {kill['latest_after']}", flush=True)
         finally:
             run.kill_all()
@@ -251,6 +260,7 @@ def main(argv=None):
         "resumes": len(resumes),
         "resumes_ok": sum(r["ok"] for r in resumes),
         "fallbacks": sum(1 for r in resumes if r["fallback"]),
+        "max_ranks_gone_s": max((k["ranks_gone_s"] for k in kills), default=None),
         "final_run_completed": bool(resumes and resumes[-1].get("completed")),
         "seconds": round(time.monotonic() - started, 1),
         "seed": args.seed,
