@@ -7,6 +7,7 @@ the same 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``. Wit
 exactly what ``deepspeed.initialize`` returns.
 """
 
+from .core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .core.config import PACIConfig, PACIConfigError, load_config, parse_paci_section, validate_run
 from .core.engine import PACIPipelineEngine, PACIStreamError
 from .core.guard import PACINonFiniteError
@@ -17,6 +18,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "initialize", "PACIPipelineEngine", "PACIConfig", "PACIConfigError", "PACIStreamError", "PACINonFiniteError",
-    "init_distributed",
-    "skip_cpu_jit_ops", "__version__"
+    "init_distributed", "skip_cpu_jit_ops", "save_checkpoint", "load_checkpoint", "CheckpointError", "__version__"
 ]

@@ -51,54 +51,136 @@ def parse_args(argv=None):
     p.add_argument("--device-time", type=float, default=0.0,
                    help="emulated accelerator: seconds each block waits in forward (2x in backward)")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores / local processes)")
+    p.add_argument("--stop-timeout", type=float, default=8.0,
+                   help="on SIGINT/SIGTERM: seconds a rank may take to stop (agree on a step, drain, save) before it "
+                        "exits anyway")
     p.add_argument("--verbose", action="store_true", help="keep DeepSpeed's INFO logs")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 # -- checks that run before any process group exists ---------------------------------------
-def check_inputs(args, world_size):
-    """Validate everything a rank can check on its own; returns (ds_config, corpus documents).
+def check_flags(args):
+    """Every numeric flag in range; each message names the flag and what is allowed."""
+    import math
 
-    Every rank reaches the same verdict, so a bad input ends all of them together.
-    """
-    from ds_paci.core.config import PACIConfigError, load_config, parse_paci_section
-    from ds_paci.workload.data import DataError, load_corpus
-    try:
-        ds_config = load_config(args.deepspeed_config)
-        parse_paci_section(ds_config.get("paci"))
-    except PACIConfigError as e:
-        raise UsageError(str(e)) from None
-    stages = args.stages or world_size
-    if stages < 1 or world_size % stages:
-        raise UsageError(f"--stages {stages} does not divide the {world_size} launched processes; launch a multiple "
-                         f"of {stages} (deepspeed --num_gpus {stages} ...) or pass a --stages that divides {world_size}")
-    if args.steps < 1:
-        raise UsageError(f"--steps {args.steps} must be at least 1")
-    if args.seq_len < 1 or args.seq_len > args.n_positions:
+    def need(ok, flag, value, allowed):
+        if not ok:
+            raise UsageError(f"{flag} {value} is not allowed; use {allowed}")
+
+    need(args.steps >= 1, "--steps", args.steps, "an integer >= 1 (train_batch calls to run)")
+    need(args.log_interval >= 1, "--log-interval", args.log_interval, "an integer >= 1 (a progress line every N steps)")
+    need(args.eval_interval >= 0, "--eval-interval", args.eval_interval,
+         "an integer >= 0 (validate every N steps; 0: only at start and end)")
+    need(args.eval_batches >= 1, "--eval-batches", args.eval_batches,
+         "an integer >= 1 (validation batches of gradient_accumulation_steps micro-batches)")
+    need(args.save_interval >= 0, "--save-interval", args.save_interval,
+         "an integer >= 0 (save every N steps; 0: only at the end)")
+    if args.threads is not None:
+        need(args.threads >= 1, "--threads", args.threads, "an integer >= 1 (torch threads per process), or omit it")
+    need(math.isfinite(args.device_time) and args.device_time >= 0, "--device-time", args.device_time,
+         "a finite number of seconds >= 0 (0: no emulated device time)")
+    need(math.isfinite(args.stop_timeout) and args.stop_timeout > 0, "--stop-timeout", args.stop_timeout,
+         "a finite number of seconds > 0")
+    need(args.n_positions >= 1, "--n-positions", args.n_positions, "an integer >= 1")
+    need(args.seq_len >= 1, "--seq-len", args.seq_len, f"an integer from 1 to --n-positions ({args.n_positions})")
+    if args.seq_len > args.n_positions:
         raise UsageError(f"--seq-len {args.seq_len} exceeds the model's {args.n_positions} positions; lower --seq-len "
                          f"or raise --n-positions")
+    for flag, value in (("--n-layer", args.n_layer), ("--n-embd", args.n_embd), ("--n-head", args.n_head)):
+        if value is not None:
+            need(value >= 1, flag, value, "an integer >= 1, or omit it for the --model default")
+    if args.stages is not None:
+        need(args.stages >= 1, "--stages", args.stages, "an integer >= 1, or omit it (one stage per process)")
+    if args.save_interval and not args.checkpoint_dir:
+        raise UsageError(f"--save-interval {args.save_interval} needs --checkpoint-dir <folder to save into>")
+
+
+def check_checkpoint_dir(path):
+    """The checkpoint folder exists or can be created, and a file can be written in it (tried, then removed)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--checkpoint-dir {path} is a file, not a folder; pass a folder (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".ds_paci-write-test.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"--checkpoint-dir {path} is not writable ({e.strerror or e}); pass a folder this user can "
+                         "write to") from None
+
+
+def check_config(ds_config, world_size, stages, config_path):
+    """The DeepSpeed config keys the job needs, named by their keys; PACI refusals before any process starts."""
+    from ds_paci.core.config import (PACIConfigError, check_accumulation_window, check_batch_keys, check_fp16,
+                                     check_zero_stage, parse_paci_section)
+    try:
+        paci = parse_paci_section(ds_config.get("paci"))
+        check_batch_keys(ds_config)
+        check_zero_stage(ds_config)
+        if paci.enabled:
+            check_fp16(ds_config)
+    except PACIConfigError as e:
+        raise UsageError(str(e)) from None
     micro = ds_config.get("train_micro_batch_size_per_gpu")
     gas = ds_config.get("gradient_accumulation_steps")
-    if not isinstance(micro, int) or not isinstance(gas, int):
-        raise UsageError(f"{args.deepspeed_config} must set integer \"train_micro_batch_size_per_gpu\" and "
-                         "\"gradient_accumulation_steps\" (see configs/paci.json)")
+    if micro is None or gas is None:
+        missing = " and ".join(f'"{k}"' for k, v in (("train_micro_batch_size_per_gpu", micro),
+                                                       ("gradient_accumulation_steps", gas)) if v is None)
+        raise UsageError(f"{config_path} must set integer \"train_micro_batch_size_per_gpu\" and "
+                         f"\"gradient_accumulation_steps\" (missing: {missing}; see configs/paci.json)")
     dp = world_size // stages
     if "train_batch_size" in ds_config and ds_config["train_batch_size"] != micro * gas * dp:
         raise UsageError(f"\"train_batch_size\" {ds_config['train_batch_size']} != micro-batch {micro} x "
                          f"accumulation {gas} x data-parallel {dp}; remove \"train_batch_size\" or make it "
                          f"{micro * gas * dp}")
+    if paci.enabled:
+        try:
+            check_accumulation_window(paci.accumulation_window, gas)
+        except PACIConfigError as e:
+            raise UsageError(str(e)) from None
+
+
+def check_inputs(args, world_size):
+    """Validate everything a rank can check on its own; returns (ds_config, corpus documents, stages, resume plan).
+
+    Every rank reaches the same verdict, so a bad input ends all of them together. The
+    resume plan is ``(tag, note)``: the checkpoint ``--resume`` loads (the one ``latest``
+    names if it is complete, else the last complete one, with a one-line note saying so).
+    """
+    from ds_paci.core.checkpoint import CheckpointError, resume_tag
+    from ds_paci.core.config import PACIConfigError, load_config
+    from ds_paci.workload.data import DataError, load_corpus
+    check_flags(args)
+    try:
+        ds_config = load_config(args.deepspeed_config)
+    except PACIConfigError as e:
+        raise UsageError(str(e)) from None
+    stages = args.stages or world_size
+    if world_size % stages:
+        raise UsageError(f"--stages {stages} does not divide the {world_size} launched processes; launch a multiple "
+                         f"of {stages} (deepspeed --num_gpus {stages} ...) or pass a --stages that divides {world_size}")
+    check_config(ds_config, world_size, stages, args.deepspeed_config)
+    plan = None
     if args.resume:
         if not args.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir <directory written by an earlier run>")
-        if not os.path.isfile(os.path.join(args.checkpoint_dir, "latest")):
-            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} holds no checkpoint (no 'latest' file); "
-                             "point it at a directory an earlier run saved into, or drop --resume")
+        if not os.path.isdir(args.checkpoint_dir):
+            raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} holds no checkpoint (no such folder); point it "
+                             "at a directory an earlier run saved into, or drop --resume")
+        try:
+            plan = resume_tag(args.checkpoint_dir)
+        except CheckpointError as e:
+            raise UsageError(f"--checkpoint-dir {e}; point it at a folder an earlier run saved into, or drop "
+                             "--resume") from None
+    if args.checkpoint_dir:
+        check_checkpoint_dir(args.checkpoint_dir)
     try:
         docs = load_corpus(args.data)
     except DataError as e:
         raise UsageError(str(e)) from None
-    return ds_config, docs, stages
+    return ds_config, docs, stages, plan
 
 
 def build_model_config(args, vocab_size, eos_id, stages):
@@ -150,11 +232,17 @@ def main(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     try:
-        ds_config, docs, stages = check_inputs(args, world_size)
+        ds_config, docs, stages, resume_plan = check_inputs(args, world_size)
     except UsageError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+
+    # Stops: during start-up a signal ends this rank at once; from the first step on it stops every rank
+    # at an agreed step, drains, saves (with --checkpoint-dir) and exits 128+signal (see ds_paci.core.lifecycle).
+    from ds_paci.core import checkpoint, lifecycle
+    stopper = lifecycle.StopController(timeout=args.stop_timeout, graceful=False).install()
+    lifecycle.watch_launchers()
 
     import logging
 
@@ -210,13 +298,14 @@ def main(argv=None):
 
     start_step = 0
     if args.resume:
-        path, client = engine.load_checkpoint(args.checkpoint_dir)
+        tag, note = resume_plan
+        path, client = checkpoint.load_checkpoint(engine, args.checkpoint_dir, tag=tag)
         if path is None:
             reporter.say(f"error: could not load a checkpoint from {args.checkpoint_dir}")
             return EXIT_USAGE
         start_step = client["step"]
         data.load_state_dict(client["data"])
-        reporter.say(f"resumed from {path} at step {start_step}")
+        reporter.say(f"resumed from {path} at step {start_step}" + (f" ({note})" if note else ""))
 
     def gather_stats():
         local = {"stage": engine.stage_id, "dp": dp_rank, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -243,9 +332,32 @@ def main(argv=None):
         reporter.record(event="eval", step=step, val_loss=val)
         return val
 
+    saved_step = None
+
     def save(step):
-        engine.save_checkpoint(args.checkpoint_dir, client_state={"step": step, "data": data.state_dict()})
+        nonlocal saved_step
+        checkpoint.save_checkpoint(engine, args.checkpoint_dir, client_state={"step": step, "data": data.state_dict()})
+        saved_step = step
         reporter.say(f"step {step:>6}/{args.steps} | checkpoint saved to {args.checkpoint_dir}")
+
+    def stop_run(step, decision):
+        """Every rank agreed to stop after ``step``: drain, save, exit 128+signal (bounded by --stop-timeout)."""
+        if stopper.code is None:  # learned from another rank: this rank's stop is bounded by the deadline too
+            stopper.request_stop(decision.code, f"stop agreed by all ranks ({decision.describe()})", announce=False)
+        reporter.say(f"step {step:>6}/{args.steps} | stopping: {decision.describe()}; every rank stops after step "
+                     f"{step}")
+        if is_paci:
+            engine.drain()
+        if args.checkpoint_dir and saved_step != step:
+            save(step)
+        reporter.record(event="stop", step=step, reason=decision.describe(), exit_code=decision.exit_code)
+        after = (f"resume with --resume --checkpoint-dir {args.checkpoint_dir}" if args.checkpoint_dir else
+                 "nothing saved (no --checkpoint-dir)")
+        reporter.say(f"stopped at step {step} of {args.steps} ({decision.describe()}); {after}")
+        reporter.close()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return decision.exit_code
 
     first_val = evaluate(start_step)
     stats, stats_step = gather_stats(), start_step
@@ -254,6 +366,9 @@ def main(argv=None):
     train_seconds = 0.0
     last_loss = None
     nonfinite_steps, window_nonfinite = [], []
+    agreement = lifecycle.StopAgreement(stopper)
+    stopper.graceful = True
+    agreement.poll()  # from here a stop requested on any rank is agreed on by all within two steps
     for step in range(start_step + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss = engine.train_batch(data)
@@ -292,6 +407,10 @@ def main(argv=None):
             stats, stats_step = gather_stats(), step
         if args.checkpoint_dir and args.save_interval and step % args.save_interval == 0 and step != args.steps:
             save(step)
+        decision = agreement.poll()
+        if decision is not None:
+            return stop_run(step, decision)
+    agreement.close()
 
     tail = engine.drain() if is_paci else None
     if tail is not None and engine.paci_stats()["loss_age"] == 0 and math.isfinite(float(tail)):
@@ -350,4 +469,17 @@ def run(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    try:
+        code = run()
+    except Exception:
+        # A failing rank ends at once (its peers and the launcher wait on it): no slow interpreter teardown.
+        import traceback
+        traceback.print_exc()
+        code = 1
+    except KeyboardInterrupt:  # SIGINT before the stop handlers are installed (start-up)
+        code = 128 + 2
+    if code:  # an error or a stop: everything is saved and flushed; skip the interpreter's slow teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -20,10 +20,12 @@ Keys (every one optional except ``enabled``):
     ``a``: each stage takes its own optimizer step after every ``a`` of its backward
     passes. Drift is bounded by ``ceil((P-1-s)/a)``; ``a >= P-1`` keeps it at one
     version. Gradients are averaged over the window (the last stage scales the loss
-    by ``1/a``).
+    by ``1/a``). At most ``MAX_WINDOW_CALLS`` (64) x ``gradient_accumulation_steps``,
+    i.e. every stage steps at least once every 64 ``train_batch`` calls
+    (:func:`check_accumulation_window`); a larger window is refused, not warned about.
 ``drain_every_batch`` (bool, default false)
     Sync mode: drain after every ``train_batch``. Reproduces the stock engine exactly.
-``watchdog_seconds`` (number >= 0, default 300; 0 turns it off)
+``watchdog_seconds`` (0, or a finite number >= 1; default 300; 0 turns it off)
     A stage that waits longer than this inside one instruction prints where it is
     stuck (rank, stage, instruction, tick) and aborts, instead of hanging.
 ``max_consecutive_skips`` (int >= 0, default 5; 0 never stops)
@@ -38,16 +40,24 @@ Keys (every one optional except ``enabled``):
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
 names the key, the value and what is allowed. ``ds_paci.initialize`` and
 ``PACIPipelineEngine.__init__`` both call it (the engine before DeepSpeed builds its
-optimizer), so building the engine class directly fails the same way.
+optimizer), so building the engine class directly fails the same way. The run-level
+checks are also pure functions of the config (:func:`check_batch_keys`,
+:func:`check_zero_stage`, :func:`check_fp16`, :func:`check_accumulation_window`), so a
+launcher can run them before any process group exists.
 """
 
 import copy
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 PACI_SECTION = "paci"
+
+# A stage steps at least once every MAX_WINDOW_CALLS train_batch calls: a larger window is a
+# mistake (no step at all for a long time, an LR schedule that never moves), refused up front.
+MAX_WINDOW_CALLS = 64
 
 
 class PACIConfigError(ValueError):
@@ -73,7 +83,7 @@ _KEYS = {
     "enabled": "true or false",
     "accumulation_window": "an integer >= 1 (default: gradient_accumulation_steps)",
     "drain_every_batch": "true or false",
-    "watchdog_seconds": "a number of seconds >= 0 (0 turns the watchdog off)",
+    "watchdog_seconds": "a finite number of seconds >= 0: 0 turns the watchdog off, any other value must be >= 1",
     "max_consecutive_skips": "an integer >= 0 (0: never stop on skipped non-finite steps)",
     "trace": "true or false",
     "trace_dir": "a directory path",
@@ -115,7 +125,8 @@ def parse_paci_section(section):
         kw["accumulation_window"] = a
     if "watchdog_seconds" in section:
         w = section["watchdog_seconds"]
-        if not (_is_int(w) or isinstance(w, float)) or isinstance(w, bool) or w < 0:
+        if (not (_is_int(w) or isinstance(w, float)) or isinstance(w, bool) or not math.isfinite(w) or w < 0
+                or 0 < w < 1):
             raise bad("watchdog_seconds", w)
         kw["watchdog_seconds"] = float(w)
     if "max_consecutive_skips" in section:
@@ -161,6 +172,54 @@ def load_config(config=None, args=None):
     raise PACIConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
 
 
+def check_batch_keys(ds_config):
+    """The batch keys that are set must be integers >= 1; the message names the key. Pure (config only)."""
+    keys = {
+        "train_micro_batch_size_per_gpu": "samples per micro-batch",
+        "gradient_accumulation_steps": "micro-batches per train_batch call",
+        "train_batch_size": "micro-batch x gradient_accumulation_steps x data-parallel size",
+    }
+    for key, meaning in keys.items():
+        if key in ds_config:
+            v = ds_config[key]
+            if not _is_int(v) or v < 1:
+                raise PACIConfigError(f'"{key}" = {v!r} in the DeepSpeed config is not allowed; use an integer >= 1 '
+                                      f'({meaning})')
+
+
+def check_zero_stage(ds_config):
+    """Refuse ZeRO stage 2 or 3: no DeepSpeed pipeline engine supports them. Pure (config only)."""
+    zero = ds_config.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(stage, (int, float)) and not isinstance(stage, bool) and stage >= 2:
+        raise PACIConfigError(f'"zero_optimization.stage" = {stage} cannot be used with "paci" (nor with any DeepSpeed '
+                              'pipeline); use stage 0 or 1')
+
+
+def check_fp16(ds_config):
+    """Refuse fp16 with PACI (dynamic loss scaling needs a cross-stage overflow check). Pure (config only)."""
+    fp16 = ds_config.get("fp16", {}) or {}
+    if isinstance(fp16, dict) and fp16.get("enabled", False):
+        raise PACIConfigError('"fp16.enabled" = true is not supported with "paci": dynamic loss scaling needs an overflow '
+                              'check shared by all stages, which PACI removes; use "bf16": {"enabled": true} or fp32')
+
+
+def check_accumulation_window(window, gradient_accumulation_steps):
+    """Refuse ``window > MAX_WINDOW_CALLS * gradient_accumulation_steps``. Pure; ``window=None`` means the default.
+
+    Called wherever both numbers are known (:func:`validate_run` when the config sets
+    ``gradient_accumulation_steps``, the engine otherwise, and launchers before start-up).
+    """
+    if window is None or not _is_int(gradient_accumulation_steps) or gradient_accumulation_steps < 1:
+        return
+    limit = MAX_WINDOW_CALLS * gradient_accumulation_steps
+    if window > limit:
+        raise PACIConfigError(f'"paci.accumulation_window" = {window} is more than {MAX_WINDOW_CALLS} x '
+                              f'gradient_accumulation_steps ({gradient_accumulation_steps}) = {limit}: a stage would '
+                              f'step only once every {window / gradient_accumulation_steps:,.0f} train_batch calls; '
+                              f'use at most {limit} (for a larger effective batch raise gradient_accumulation_steps)')
+
+
 def _tied_keys_across_stages(model):
     """Names of TiedLayerSpec keys whose layers live on more than one pipeline stage."""
     from deepspeed.runtime.pipe.module import TiedLayerSpec
@@ -185,15 +244,10 @@ def validate_run(ds_config, model, paci):
     if not isinstance(model, PipelineModule):
         raise PACIConfigError(f'"paci.enabled" needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}; '
                               'build the model as PipelineModule(layers=..., num_stages=...) or remove the "paci" section')
-    zero = ds_config.get("zero_optimization", {}) or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
-    if stage >= 2:
-        raise PACIConfigError(f'"zero_optimization.stage" = {stage} cannot be used with "paci" (nor with any DeepSpeed '
-                              'pipeline); use stage 0 or 1')
-    fp16 = ds_config.get("fp16", {}) or {}
-    if isinstance(fp16, dict) and fp16.get("enabled", False):
-        raise PACIConfigError('"fp16.enabled" = true is not supported with "paci": dynamic loss scaling needs an overflow '
-                              'check shared by all stages, which PACI removes; use "bf16": {"enabled": true} or fp32')
+    check_batch_keys(ds_config)
+    check_zero_stage(ds_config)
+    check_fp16(ds_config)
+    check_accumulation_window(paci.accumulation_window, ds_config.get("gradient_accumulation_steps"))
     tied = _tied_keys_across_stages(model)
     if tied:
         raise PACIConfigError(f"tied layers {tied} span several pipeline stages; keeping tied copies identical needs a "

@@ -27,6 +27,8 @@ Contract (see also ``docs``/README):
   ``set_train_batch_size`` drains only when the size changes, ``reset_activation_shape``
   only when something is in flight. A drained engine is in the state a synchronous
   run reaches at a step boundary.
+* Checkpoints are atomic (:mod:`ds_paci.core.checkpoint`): ``latest`` only ever
+  names a complete checkpoint, and ``load_checkpoint`` verifies completeness first.
 * Backward passes of micro-batches that cross a local step use the *current*
   weights (PACI "perf" semantics) on stock PyTorch: optimizers step through
   ``.data`` (see :mod:`ds_paci.core.local_step`), so autograd's version check never fires.
@@ -60,7 +62,8 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              SendActivation, SendGrad)
 from deepspeed.utils import logger
 
-from .config import engine_config, parse_paci_section, validate_run
+from . import checkpoint
+from .config import check_accumulation_window, engine_config, parse_paci_section, validate_run
 from .feed import MicroBatchFeed
 from .guard import PACINonFiniteError, SkipCounter, assert_finite_weights, stop_message
 from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_local
@@ -91,12 +94,15 @@ def _buffer_op(fn):
 class PACIPipelineEngine(PipelineEngine):
     """DeepSpeed ``PipelineEngine`` that executes PACI streams (see the module docstring)."""
 
+    saves_atomically = True  # save_checkpoint/load_checkpoint go through ds_paci.core.checkpoint
+
     def __init__(self, *args, **kwargs):
         self._validate_before_build(args, kwargs)
         super().__init__(*args, **kwargs)
         self.paci = parse_paci_section(self._config._param_dict.get("paci"))
         if not hasattr(self, "_validated"):
             validate_run(self._config._param_dict, self.module, self.paci)
+        check_accumulation_window(self.paci.accumulation_window, self.micro_batches)
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
         self._stock_step = self.paci.drain_every_batch and self.paci.window(self.micro_batches) == self.micro_batches
         self._stream = PACIStream(self.num_stages, self.stage_id, self.paci.window(self.micro_batches))
@@ -199,7 +205,8 @@ class PACIPipelineEngine(PipelineEngine):
         return super().eval_batch(data_iter, *args, **kwargs)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """Drain, then save an ordinary DeepSpeed checkpoint with the stream position under ``client_state['ds_paci']``.
+        """Drain, then atomically save an ordinary DeepSpeed checkpoint with the stream position under
+        ``client_state['ds_paci']`` (see :mod:`ds_paci.core.checkpoint`).
 
         Refuses (on every rank, before writing anything) to save non-finite weights.
         """
@@ -207,15 +214,19 @@ class PACIPipelineEngine(PipelineEngine):
         assert_finite_weights(self)
         state = dict(client_state or {})
         state["ds_paci"] = {"stream": self._stream.state_dict(), "telemetry": self.telemetry.summary()}
-        return super().save_checkpoint(save_dir,
-                                       tag=tag,
-                                       client_state=state,
-                                       save_latest=save_latest,
-                                       exclude_frozen_parameters=exclude_frozen_parameters)
+        parent_save = super().save_checkpoint
+
+        def write(staging_tag, save_latest):
+            return parent_save(save_dir, tag=staging_tag, client_state=state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+        return checkpoint.atomic_save(self, save_dir, tag, save_latest, write)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """Drain, load a DeepSpeed checkpoint, and resume the stream where the saved (drained) one stopped."""
+        """Drain, verify the checkpoint is complete (:class:`~ds_paci.core.checkpoint.CheckpointError` otherwise),
+        load it, and resume the stream where the saved (drained) one stopped."""
         self.drain()
+        tag = checkpoint.verified_tag(self, load_dir, tag) or tag
         path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
         self._clipping = clipping_policy(self, stock=self._stock_step)  # wrappers restore their saved clip value
         if path is not None and client_state and "ds_paci" in client_state:

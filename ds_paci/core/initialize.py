@@ -6,6 +6,7 @@ import inspect
 
 from .config import load_config, parse_paci_section, validate_run
 from .engine import PACIPipelineEngine
+from .lifecycle import watch_launchers
 from .runtime import skip_cpu_jit_ops
 
 
@@ -41,7 +42,9 @@ def initialize(args=None,
     """Drop-in for ``deepspeed.initialize``: same arguments, same 4-tuple.
 
     Raises :class:`PACIConfigError` (on every rank, before any engine is built) when
-    the ``paci`` section or its combination with the run cannot be honoured.
+    the ``paci`` section or its combination with the run cannot be honoured. Also starts
+    :func:`ds_paci.core.lifecycle.watch_launchers` (for any engine): a rank whose launcher
+    process dies stops instead of training on as an orphan.
     """
     import deepspeed
     kwargs = dict(model=model,
@@ -59,6 +62,7 @@ def initialize(args=None,
     # DeepSpeed's own initialize, even where a wrapper (e.g. the script runner's router) has been bound in its
     # place: wrappers made with functools.wraps carry the original as __wrapped__. No recursion either way.
     ds_initialize = inspect.unwrap(deepspeed.initialize)
+    watch_launchers()
     ds_config = load_config(config if config is not None else config_params, args)
     paci = parse_paci_section(ds_config.get("paci"))
     if not paci.enabled:

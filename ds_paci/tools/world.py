@@ -2,7 +2,8 @@
 
 ``run_world(fn, world_size, *args)`` spawns one process per rank (``spawn`` start
 method), sets the launcher environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``LOCAL_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``DS_ACCELERATOR`` as asked), starts
+``LOCAL_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``DS_ACCELERATOR`` as asked; and
+``DS_PACI_WATCH_PIDS`` = the parent, so a rank whose parent dies stops), starts
 DeepSpeed's process group with a bounded timeout, calls ``fn(rank, *args)``
 and returns the per-rank results. ``fn`` must be importable by the spawned
 processes (a module-level function). Each rank's stdout and stderr go to
@@ -60,7 +61,7 @@ def _entry(rank, world_size, port, log_path, fn, args, results, env, gloo_timeou
     os.dup2(fd, 2)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_PACI_WATCH_PIDS=str(os.getppid()))
     import datetime
     import sys
 

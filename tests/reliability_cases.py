@@ -1,0 +1,185 @@
+"""The fault suite's table: every fault the project handles, what happens, and the test that asserts it.
+
+``docs/reliability.md`` is generated from :data:`CASES`; ``tests/test_reliability.py::
+test_reliability_page_matches_the_suite`` fails when the page differs from what this file renders,
+when a case names a test that does not exist, or when a test of the fault suite is in no case.
+Regenerate the page after changing a case:
+
+    .venv/bin/python tests/reliability_cases.py > docs/reliability.md
+
+A case whose ``tests`` is ``PENDING`` is rendered as "pending" and needs no test yet (the
+non-finite-gradient rows, filled by the branch that builds that guard: replace ``PENDING``
+by the test names, adjust the behaviour text, regenerate the page).
+"""
+
+import ast
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PENDING = "pending"
+SUITE = "tests/test_reliability.py"  # every test function in this file must appear in some case
+
+# (section, fault, how it is injected, behaviour asserted, tests as "file::function")
+CASES = [
+    # -- checkpoints ---------------------------------------------------------------------------------
+    ("Checkpoints", "kill at any disk step of a save",
+     "a rank copies the checkpoint folder at each of its disk steps (each file write, before and after, a file cut "
+     "to half its size, manifest, renames, hard links, `latest`) over a new-tag save and a same-tag re-save",
+     "`latest` names a complete checkpoint in every copy, and the engine loads it (the previous or the new weights, "
+     "never a mix)",
+     ["tests/test_reliability.py::test_every_disk_step_of_a_save_leaves_latest_complete"]),
+    ("Checkpoints", "`kill -9` of a rank during a save",
+     "SIGKILL from the fault hook: stage 1 while writing its model file (file cut to half), rank 0 just before "
+     "renaming the staging folder, rank 0 in the middle of a same-tag swap",
+     "the other rank fails fast; a fresh world resumes from what `latest` names (a complete checkpoint) and trains",
+     ["tests/test_reliability.py::test_a_rank_killed_during_a_save_leaves_a_resumable_checkpoint"]),
+    ("Checkpoints", "`kill -9` of a rank at a random moment of a main-job save",
+     "`--save-interval 1`; SIGKILL to a random rank U(0, 30 ms) after a staging folder appears "
+     "(`python -m ds_paci.tools.savekill --kills 20` does this 20 times)",
+     "every rank ends within 10 s; the next `--resume` prints `resumed from ... at step N` with N the step of "
+     "the checkpoint `latest` names, and trains to the end",
+     ["tests/test_reliability.py::test_stop_signal_to_one_rank_saves_and_resume_continues"]),
+    ("Checkpoints", "truncated, missing or absent checkpoint file on load",
+     "a copy of a checkpoint folder with one file cut, one deleted, an unknown tag",
+     "`load_checkpoint` raises `CheckpointError` on every rank: one line naming the file and the last complete tag",
+     ["tests/test_reliability.py::test_partial_checkpoint_is_refused_with_one_line"]),
+    ("Checkpoints", "`--resume` when `latest` is incomplete",
+     "checkpoint folders built on disk (complete, truncated, without `latest`, none complete)",
+     "falls back to the newest complete checkpoint and says so in the `resumed from` line; none complete: one "
+     "`error:` line, exit 2",
+     ["tests/test_reliability.py::test_resume_plan_falls_back_to_the_last_complete_checkpoint",
+      "tests/test_reliability.py::test_bad_flags_and_keys_end_before_any_process_group"]),
+    ("Checkpoints", "checkpoint without a manifest (stock DeepSpeed, older ds_paci)",
+     "the manifest removed from a copy",
+     "loads, with one warning that completeness cannot be checked",
+     ["tests/test_reliability.py::test_partial_checkpoint_is_refused_with_one_line"]),
+    ("Checkpoints", "a PACI checkpoint read by DeepSpeed's own engine",
+     "`deepspeed`'s `PipelineEngine.load_checkpoint(dir)` and `(dir, tag=...)`",
+     "loads the same weights (DeepSpeed's layout is kept); `ds_paci.save_checkpoint(engine, ...)` makes the stock "
+     "engine's saves atomic too",
+     ["tests/test_reliability.py::test_deepspeed_layout_and_stock_engine_interplay"]),
+    # -- stops ---------------------------------------------------------------------------------------
+    ("Stops", "SIGTERM to one rank of the main job",
+     "`kill -TERM` to stage 1 only",
+     "all ranks stop after the same step (agreed within two steps), save a complete checkpoint there, exit 143 "
+     "within 10 s; `--resume` continues from that step",
+     ["tests/test_reliability.py::test_stop_signal_to_one_rank_saves_and_resume_continues"]),
+    ("Stops", "SIGTERM / SIGINT to the `deepspeed` runner",
+     "`kill -TERM` / `kill -INT` to the runner process alone (it dies; DeepSpeed leaves launcher and ranks running)",
+     "the ranks see their launcher chain end, stop at an agreed step, save, and end within 10 s; the launcher ends too",
+     ["tests/test_reliability.py::test_signal_to_runner_or_launcher_ends_every_rank"]),
+    ("Stops", "`kill -9` of the launcher (`deepspeed.launcher.launch`)",
+     "SIGKILL to the launcher",
+     "the parent-death signal reaches every rank: they stop, save and end within 10 s",
+     ["tests/test_reliability.py::test_signal_to_runner_or_launcher_ends_every_rank"]),
+    ("Stops", "SIGINT / SIGTERM handling in a rank",
+     "signals to a process with a `StopController` (immediate and graceful modes, blocked main thread, repeated "
+     "signal)",
+     "start-up: exit 128+signal at once; training: a stop request, deadline `--stop-timeout` (default 8 s) after "
+     "which the rank exits anyway; a second signal more than 2 s later exits at once",
+     ["tests/test_reliability.py::test_stop_controller_modes_and_deadline"]),
+    ("Stops", "a rank's parent process dies",
+     "the parent of a process that called `watch_launchers()` is killed with SIGKILL",
+     "the orphan ends within a few seconds (parent-death signal plus a 1 s poll of the launcher chain)",
+     ["tests/test_reliability.py::test_a_process_whose_parent_dies_exits"]),
+    ("Stops", "stop requested on one rank only",
+     "rank 1 raises its stop flag just before boundary 2 of a `StopAgreement`",
+     "both ranks stop at boundary 3 with the same decision (no collective inside `train_batch`)",
+     ["tests/test_reliability.py::test_stop_agreement_bound"]),
+    # -- hangs and dead peers (earlier suites) ----------------------------------------------------------
+    ("Hangs", "a stage that never joins its stream (stuck neighbour)",
+     "stage 1 sleeps instead of training",
+     "the watchdog ends the waiting rank within a minute, naming rank, stage, instruction and tick (exit 86)",
+     ["tests/test_engine.py::test_a_hang_fails_within_a_minute_and_names_rank_and_instruction"]),
+    ("Hangs", "a stage process dies mid-training",
+     "stage 1 calls `os._exit(3)` after one call",
+     "its neighbour's next transfer fails and names rank, stage and tick",
+     ["tests/test_engine.py::test_a_dead_stage_is_reported_by_its_neighbour_with_position"]),
+    # -- bad input ---------------------------------------------------------------------------------------
+    ("Bad input", "every main-job flag out of range",
+     "`--log-interval 0`, `--eval-batches 0`, `--eval-interval -1`, `--save-interval -1`, `--save-interval` without "
+     "`--checkpoint-dir`, `--threads 0`, `--device-time -1` / `nan`, `--seq-len 0`, `--steps 0`, `--n-layer 0`, "
+     "`--stages 0`, `--stop-timeout 0`",
+     "one `error:` line naming the flag and what is allowed, exit 2, no process group started",
+     ["tests/test_reliability.py::test_bad_flags_and_keys_end_before_any_process_group"]),
+    ("Bad input", "unusable `--checkpoint-dir`",
+     "a file in its place; a path below a file",
+     "one `error:` line naming the path, exit 2, before any process group (not at the first save)",
+     ["tests/test_reliability.py::test_bad_flags_and_keys_end_before_any_process_group"]),
+    ("Bad input", "bad batch keys, fp16, ZeRO >= 2",
+     "`gradient_accumulation_steps: 0`, `train_micro_batch_size_per_gpu: \"8\"`, a missing key, "
+     "`fp16.enabled` with PACI, `zero_optimization.stage: 2` (PACI and stock)",
+     "one `error:` line naming the key, exit 2, no process group started",
+     ["tests/test_reliability.py::test_bad_flags_and_keys_end_before_any_process_group"]),
+    ("Bad input", "bad `\"paci\"` values",
+     "`watchdog_seconds` NaN, infinite, 1e-9, -1; `accumulation_window` 10^9 (more than 64 x "
+     "`gradient_accumulation_steps`)",
+     "`PACIConfigError` naming the key, the value and what is allowed (refused, not warned about)",
+     ["tests/test_reliability.py::test_paci_section_bounds",
+      "tests/test_reliability.py::test_bad_flags_and_keys_end_before_any_process_group"]),
+    # -- non-finite values (the branch adding the guard fills these rows) -------------------------------------
+    ("Non-finite values", "NaN in one micro-batch loss (2-stage async run)", "(to be filled by the non-finite guard)",
+     "(to be filled)", PENDING),
+    ("Non-finite values", "non-finite gradient at a stage (e.g. `lr: 1e3`)", "(to be filled by the non-finite guard)",
+     "(to be filled)", PENDING),
+    ("Non-finite values", "consecutive non-finite steps beyond the limit", "(to be filled by the non-finite guard)",
+     "(to be filled)", PENDING),
+]
+
+
+def render():
+    """The markdown page for :data:`CASES`."""
+    out = [
+        "# Reliability: faults and what happens",
+        "",
+        "Generated from `tests/reliability_cases.py` (the fault suite's table); "
+        "`tests/test_reliability.py::test_reliability_page_matches_the_suite` fails when this page, the cases and "
+        "the tests drift apart. Regenerate: `.venv/bin/python tests/reliability_cases.py > docs/reliability.md`.",
+        "",
+        "Full random-kill check (not in CI): `.venv/bin/python -m ds_paci.tools.savekill --kills 20`.",
+    ]
+    section = None
+    for sec, fault, how, behaviour, tests in CASES:
+        if sec != section:
+            section = sec
+            out += ["", f"## {sec}", "", "| fault | injected as | behaviour (asserted) | test |", "|---|---|---|---|"]
+        where = "pending" if tests == PENDING else "<br>".join(f"`{t.split('::')[1]}` ({t.split('::')[0]})"
+                                                                   for t in tests)
+        out.append(f"| {fault} | {how} | {behaviour} | {where} |")
+    return "\n".join(out) + "\n"
+
+
+def test_functions(path):
+    """Names of the module-level ``test_*`` functions of a test file."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+
+
+def problems():
+    """Everything that makes the page, the cases and the tests disagree (empty when they agree)."""
+    found = []
+    named = set()
+    for _, fault, _, _, tests in CASES:
+        if tests == PENDING:
+            continue
+        if not tests:
+            found.append(f"case {fault!r} names no test")
+        for t in tests:
+            path, name = t.split("::")
+            named.add((path, name))
+            if not os.path.exists(os.path.join(ROOT, path)) or name not in test_functions(path):
+                found.append(f"case {fault!r} names {t}, which does not exist")
+    for name in sorted(test_functions(SUITE)):
+        if (SUITE, name) not in named and name != "test_reliability_page_matches_the_suite":
+            found.append(f"{SUITE}::{name} is in no case of tests/reliability_cases.py")
+    page = os.path.join(ROOT, "docs", "reliability.md")
+    current = open(page).read() if os.path.exists(page) else ""
+    if current != render():
+        found.append("docs/reliability.md differs from the cases; regenerate it: "
+                     ".venv/bin/python tests/reliability_cases.py > docs/reliability.md")
+    return found
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
