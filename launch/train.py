@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--n-embd", type=int, help="override the hidden size")
     p.add_argument("--n-head", type=int, help="override the number of attention heads")
     p.add_argument("--n-positions", type=int, default=1024, help="model context length (positions)")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="tie the LM head to the token embedding, as GPT-2 does (default: untied, as in the PACI paper);\n"
+                        "on several stages PACI keeps the two copies identical by exchanging their gradients")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
     p.add_argument("--data", help="text file or folder of .txt files (default: the Shakespeare corpus)")
     p.add_argument("--tokenizer", default="bpe-1024", help="byte, gpt2, or bpe-<vocab> (trained locally, cached)")
@@ -88,6 +91,12 @@ def check_inputs(args, world_size):
         raise UsageError(f"\"train_batch_size\" {ds_config['train_batch_size']} != micro-batch {micro} x "
                          f"accumulation {gas} x data-parallel {dp}; remove \"train_batch_size\" or make it "
                          f"{micro * gas * dp}")
+    paci = parse_paci_section(ds_config.get("paci"))
+    clip = ds_config.get("gradient_clipping", 0.0) or 0.0
+    if args.tie_embeddings and paci.enabled and stages > 1 and clip > 0:
+        raise UsageError(f"--tie-embeddings with \"gradient_clipping\" = {clip} in {args.deepspeed_config}: PACI clips "
+                         "stage-locally, which would let the two copies of the embedding drift apart; set "
+                         "\"gradient_clipping\": 0 or drop --tie-embeddings")
     if args.resume:
         if not args.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir <directory written by an earlier run>")
@@ -191,7 +200,8 @@ def main(argv=None):
             sched["warmup_num_steps"] = max(1, args.steps // 10)
 
     ds_paci.init_distributed(dist_backend="gloo" if deepspeed.get_accelerator().device_name() == "cpu" else None)
-    model = gpt2_pipeline(model_cfg, num_stages=stages, seed=args.seed, device_time=args.device_time)
+    model = gpt2_pipeline(model_cfg, num_stages=stages, seed=args.seed, device_time=args.device_time,
+                          tie_embeddings=args.tie_embeddings)
     args_for_ds = argparse.Namespace(local_rank=args.local_rank, deepspeed_config=None)
     engine, _, _, _ = ds_paci.initialize(args=args_for_ds, model=model, model_parameters=model.parameters(),
                                          config=ds_config)
@@ -203,7 +213,8 @@ def main(argv=None):
                         args.metrics or os.path.join("runs", config_name, "metrics.jsonl"))
     engine_name = f"PACI (a={engine.accumulation_window})" if is_paci else "stock 1F1B-flush"
     reporter.say(f"ds_paci {ds_paci.__version__} | {engine_name} | {stages} stages x {dp} data-parallel | GPT-2 "
-                 f"{args.model} ({model_cfg.n_layer} blocks x {model_cfg.n_embd}, vocab {model_cfg.vocab_size}) | "
+                 f"{args.model} ({model_cfg.n_layer} blocks x {model_cfg.n_embd}, vocab {model_cfg.vocab_size}, "
+                 f"{'tied' if args.tie_embeddings else 'untied'} LM head) | "
                  f"{args.tokenizer} | seq {args.seq_len} | micro-batch {micro} x {gas} | "
                  f"{len(train_tokens):,} train tokens, {len(val_tokens):,} val tokens"
                  + (f" | emulated device time {args.device_time}s/block" if args.device_time else ""))
@@ -298,6 +309,8 @@ def main(argv=None):
         "final_train_loss": train_loss, "first_val_loss": first_val, "final_val_loss": final_val,
         "peak_rss_mb_per_stage": {s["stage"]: round(s["rss_mb"], 1) for s in stats if s["dp"] == 0},
         "drift_per_stage": {s["stage"]: s.get("drift_histogram") for s in stats if s["dp"] == 0} if is_paci else None,
+        "tie_embeddings": args.tie_embeddings,
+        "tied": [s["tied"] for s in stats if s.get("tied") and s["tied"]["owner"]] if is_paci else None,
     }
     reporter.record(event="summary", **summary)
     rss = " | ".join(f"stage {k}: {v:.0f} MB" for k, v in summary["peak_rss_mb_per_stage"].items())
@@ -313,6 +326,12 @@ def main(argv=None):
     if is_paci:
         lines.append("weight drift     " + " | ".join(
             f"stage {s['stage']}: {s['drift_histogram']} (bound {s['drift_bound']})" for s in stats if s["dp"] == 0))
+    tied = [t for t in summary["tied"] or [] if t]
+    if tied:
+        t = tied[0]
+        lines.append(f"tied embedding   stages {t['owner_stages']['embed']}: gradients applied {t['lag_windows']} window(s) "
+                     f"late, {t['windows_exchanged']} windows exchanged, longest wait in a step "
+                     f"{max(x['max_wait_seconds'] for x in tied) * 1e3:.2f} ms")
     lines.append(f"metrics          {reporter.path}")
     reporter.say("\n".join(lines))
     reporter.close()

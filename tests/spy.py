@@ -1,6 +1,12 @@
-"""Record every torch.distributed call a process makes (op name and the global ranks of its group)."""
+"""Record every torch.distributed call a process makes (op name, the global ranks of its group, peer).
+
+Each record is a :class:`Call` ``(op, ranks, peer, default_group)``; ``default_group`` tells the
+default (world) group, which the pipeline's own transfers use, from a dedicated group with the
+same ranks.
+"""
 
 import contextlib
+from typing import NamedTuple, Optional, Tuple
 
 import torch.distributed as tdist
 
@@ -13,6 +19,17 @@ COLLECTIVES = [
 POINT_TO_POINT = ["send", "recv", "isend", "irecv"]
 
 
+class Call(NamedTuple):
+    op: str
+    ranks: Tuple[int, ...]
+    peer: Optional[int]
+    default_group: bool
+
+
+def _is_default(group):
+    return group is None or group is tdist.GroupMember.WORLD
+
+
 def _group_ranks(group):
     if group is None or group is tdist.GroupMember.WORLD:
         return tuple(range(tdist.get_world_size()))
@@ -21,7 +38,7 @@ def _group_ranks(group):
 
 @contextlib.contextmanager
 def record_distributed_calls():
-    """Yields a list that fills with ``(op, group_ranks, peer)`` for every call made inside the block."""
+    """Yields a list that fills with a :class:`Call` for every call made inside the block."""
     calls = []
     originals = {}
 
@@ -34,7 +51,7 @@ def record_distributed_calls():
                 peer = kwargs.get("dst", kwargs.get("src"))
                 if peer is None and len(args) > 1:
                     peer = args[1]
-            calls.append((name, _group_ranks(group), peer))
+            calls.append(Call(name, _group_ranks(group), peer, _is_default(group)))
             return fn(*args, **kwargs)
 
         return spy
@@ -52,5 +69,4 @@ def record_distributed_calls():
 
 def cross_stage_collectives(calls, stage_of_rank):
     """The collectives among ``calls`` whose group holds ranks of more than one pipeline stage."""
-    return [(op, ranks) for op, ranks, _ in calls
-            if op in COLLECTIVES and len({stage_of_rank[r] for r in ranks}) > 1]
+    return [(c.op, c.ranks) for c in calls if c.op in COLLECTIVES and len({stage_of_rank[r] for r in c.ranks}) > 1]

@@ -7,7 +7,8 @@ Example (JSON)::
         "accumulation_window": 8,
         "drain_every_batch": false,
         "watchdog_seconds": 300,
-        "trace": false
+        "trace": false,
+        "check_tied_copies": false
     }
 
 Keys (every one optional except ``enabled``):
@@ -30,6 +31,11 @@ Keys (every one optional except ``enabled``):
     million records are kept.
 ``trace_dir`` (path, default none)
     Where ``engine.write_trace()`` writes ``trace_rank<R>.jsonl`` when called without a path.
+``check_tied_copies`` (bool, default false)
+    With tied layers on several stages (see :mod:`ds_paci.core.tied`): after every drain and
+    after loading a checkpoint, the owning stages compare digests of their copies (weights and
+    optimizer state) point to point and raise if any bit differs. A debugging aid (it hashes the
+    tied parameters and their optimizer state at every drain); the tests turn it on.
 
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
 names the key, the value and what is allowed.
@@ -56,6 +62,7 @@ class PACIConfig:
     watchdog_seconds: float = 300.0
     trace: bool = False
     trace_dir: Optional[str] = None
+    check_tied_copies: bool = False
 
     def window(self, gradient_accumulation_steps):
         """The effective accumulation window ``a``."""
@@ -69,6 +76,7 @@ _KEYS = {
     "watchdog_seconds": "a number of seconds >= 0 (0 turns the watchdog off)",
     "trace": "true or false",
     "trace_dir": "a directory path",
+    "check_tied_copies": "true or false",
 }
 
 
@@ -95,7 +103,7 @@ def parse_paci_section(section):
         return PACIConfigError(f'"paci.{key}" = {value!r} is not allowed; use {_KEYS[key]}')
 
     kw = {}
-    for key in ("enabled", "drain_every_batch", "trace"):
+    for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies"):
         if key in section:
             if not _is_bool(section[key]):
                 raise bad(key, section[key])
@@ -148,18 +156,6 @@ def load_config(config=None, args=None):
     raise PACIConfigError(f"config must be a dict or a path to a JSON file, got {type(config).__name__}")
 
 
-def _tied_keys_across_stages(model):
-    """Names of TiedLayerSpec keys whose layers live on more than one pipeline stage."""
-    from deepspeed.runtime.pipe.module import TiedLayerSpec
-    stages_of = {}
-    parts = model.parts
-    for idx, spec in enumerate(model._layer_specs):
-        if isinstance(spec, TiedLayerSpec):
-            stage = next(s for s in range(model.num_stages) if parts[s] <= idx < parts[s + 1])
-            stages_of.setdefault(spec.key, set()).add(stage)
-    return sorted(k for k, st in stages_of.items() if len(st) > 1)
-
-
 def validate_run(ds_config, model, paci):
     """Fail fast on every combination the PACI engine cannot honour; returns the config to hand to DeepSpeed.
 
@@ -179,13 +175,12 @@ def validate_run(ds_config, model, paci):
     if isinstance(fp16, dict) and fp16.get("enabled", False):
         raise PACIConfigError('"fp16.enabled" = true is not supported with "paci": dynamic loss scaling needs an overflow '
                               'check shared by all stages, which PACI removes; use "bf16": {"enabled": true} or fp32')
-    tied = _tied_keys_across_stages(model)
-    if tied:
-        raise PACIConfigError(f"tied layers {tied} span several pipeline stages; keeping tied copies identical needs a "
-                              "cross-stage gradient all-reduce, which PACI does not run (no tied-weight policy is "
-                              "supported yet); untie them (e.g. a separate LM head) or place the tied layers on one stage")
     out = copy.deepcopy(ds_config)
     # DeepSpeed defaults gradient_clipping to 1.0 and clips by a norm shared across stages.
     # PACI clips only when asked, and then stage-locally (see engine docs).
     out.setdefault("gradient_clipping", 0.0)
+    from .tied import tied_arrangement_problem
+    tied = tied_arrangement_problem(out, model)
+    if tied:
+        raise PACIConfigError(tied)
     return out

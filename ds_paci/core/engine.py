@@ -44,6 +44,7 @@ from .local_step import clip_stage_gradients, make_stage_local
 from .monitor import LastStageMonitor
 from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
 from .telemetry import StageTelemetry
+from .tied import TiedWeights
 from .watchdog import Watchdog
 
 
@@ -79,6 +80,7 @@ class PACIPipelineEngine(PipelineEngine):
         self._in_stream = False
         self._calls = 0
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, format_instruction)
+        self._tied = TiedWeights.create(self)  # tied layers on several stages (every rank: it creates groups)
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(self._config.monitor_config)
@@ -155,6 +157,8 @@ class PACIPipelineEngine(PipelineEngine):
             self._stream.load_state_dict(client_state["ds_paci"]["stream"])
             self.telemetry.version = self._stream.version
         self._feed.clear()
+        if self._tied is not None and self._tied.check:
+            self._tied.verify("after loading a checkpoint")
         return path, client_state
 
     def set_train_batch_size(self, train_batch_size):
@@ -183,7 +187,8 @@ class PACIPipelineEngine(PipelineEngine):
         stats.update(in_flight=self._stream.in_flight(),
                      ticks=self._stream.ticks_emitted,
                      next_micro_batch=self._stream.next_micro_batch(),
-                     train_batch_calls=self._calls)
+                     train_batch_calls=self._calls,
+                     tied=None if self._tied is None else self._tied.stats())
         return stats
 
     def paci_trace(self):
@@ -199,7 +204,12 @@ class PACIPipelineEngine(PipelineEngine):
 
     # -- stream execution -------------------------------------------------------------
     def _run_drain(self):
-        self._run(self._stream.drain())
+        ticks = self._stream.drain()
+        if self._tied is not None:
+            self._tied.begin_drain(ticks)
+        self._run(ticks)
+        if self._tied is not None:  # a tied owner's last step of the segment, after every stage has posted
+            self._tied.end_drain(self._local_step, self._stream.ticks_emitted - 1)
         self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
 
     def _run(self, ticks):
@@ -253,7 +263,15 @@ class PACIPipelineEngine(PipelineEngine):
         self.telemetry.accumulate(cmd.buffer_id, cmd.micro_batch_id)
 
     def _exec_local_step(self, cmd):
-        self._exec_reduce_grads()  # DP group of this stage only
+        if self._tied is not None and self._tied.defer(cmd):
+            return  # the segment's last step of a tied owner runs at the end of the drain
+        self._local_step(cmd.version)
+
+    def _local_step(self, version):
+        if self._tied is not None:
+            self._tied.reduce_grads(version)  # DP reduce plus the tied-gradient exchange
+        else:
+            self._exec_reduce_grads()  # DP group of this stage only
         if self._aliases is not None:
             self._aliases.bind_grads()
         self._exec_optimizer_step()
