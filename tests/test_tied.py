@@ -59,6 +59,29 @@ def test_tied_lag_examples_and_what_the_drain_adds():
     assert errors and "stage 1 at its step" in errors[0] and "stage 0's window" in errors[0]
 
 
+def test_simulated_tied_waits_cost_nothing_at_lag_l_and_stall_or_deadlock_below():
+    """The simulator runs the streams with the exchange under random cost models: at L no owner ever waits."""
+    import random
+    from ds_paci.tools.simulate import CostModel, TiedExchange, paci_programs, simulate
+    rng = random.Random(0)
+    for P, a in [(2, 4), (4, 4), (4, 3), (4, 1), (8, 8)]:
+        L = tied_lag(P, (0, P - 1), a)
+        programs = paci_programs(P, a, a, 5)
+        for _ in range(8):
+            cost = CostModel(forward=[rng.uniform(0.2, 3.0) for _ in range(P)], latency=rng.uniform(0, 0.3),
+                             step=rng.uniform(0, 1))
+            result = simulate(programs, cost, tied=TiedExchange((0, P - 1), L))
+            assert result.ok and result.tied_wait == [0.0] * P, (P, a, result.tied_wait)
+            assert result.tied_drain_wait[P - 1] > 0  # after the drain the last stage waits for stage 0's last post
+        # one window less: the last stage waits for stage 0 (here: deadlocks against the pipeline, or stalls)
+        below = simulate(programs, CostModel(forward=[3.0] + [1.0] * (P - 1)), tied=TiedExchange((0, P - 1), L - 1))
+        if L == 1:
+            assert below.deadlock and any(st.stage == P - 1 and st.text.startswith("STEP") and st.partner == 0
+                                          for st in below.deadlock.stuck), below.deadlock
+        else:
+            assert below.ok and below.tied_wait[P - 1] > 0
+
+
 def test_the_watchdog_names_what_an_instruction_waits_for():
     from ds_paci.core.schedule import LocalStep, format_instruction
     dog = Watchdog(0, lambda: "rank 1 (stage 1 of 2)", format_instruction)
@@ -193,3 +216,11 @@ def test_checkpoint_in_async_training_with_tied_layers_resumes_exactly(tmp_path)
                            res[1]["weights"]["tied_modules.embed.wte.weight"])
         assert res[0]["tied_checks"] >= 1 and res[1]["tied_checks"] >= 1
     assert resumed[0]["version"] == part[0]["version_at_save"] + 3
+
+
+def test_a_hang_in_the_tied_exchange_is_named_by_the_watchdog():
+    status, out, logs = run_world(workers.tied_peer_never_posts, 2, 5, timeout=90, expect_failure=True)
+    assert status[1] == "exit 86", status
+    log = open(logs[1]).read()
+    assert "rank 1 (stage 1 of 2" in log and "in STEP2" in log, log[-2000:]
+    assert "waiting for the tied gradients of weight version 1 (keys ['embed']) from rank 0 (stage 0)" in log

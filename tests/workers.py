@@ -344,3 +344,26 @@ def tied_training(rank, stages, batches, gas, window=None, bf16=False, zero_stag
                      "stats_before_drain": stats_before,
                      "stats": engine.paci_stats() if name != "stock" else None}
     return out
+
+
+def tied_peer_never_posts(rank, watchdog_seconds):
+    """Stage 0 drops its tied-gradient sends: stage 1 waits in the tied exchange until its watchdog names it."""
+    import torch.distributed as tdist
+
+    class Sent:  # a send that "completed" without sending anything
+
+        def wait(self):
+            return True
+
+        def is_completed(self):
+            return True
+
+    model = tiny_gpt(2, tie=True)
+    cfg = ds_config(2, {"enabled": True, "watchdog_seconds": watchdog_seconds})
+    engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if rank == 0:
+        tdist.isend = lambda *args, **kwargs: Sent()  # only the tied exchange uses isend
+    data = MicroBatchIterator(shakespeare_tokens(), MICRO, SEQ, seed=5)
+    for _ in range(4):
+        engine.train_batch(data)
+    return "trained"

@@ -24,7 +24,10 @@ Contract (see also ``docs``/README):
   ``.data`` (see :mod:`ds_paci.core.local_step`), so autograd's version check never fires.
 * Gradient clipping (``gradient_clipping > 0``) is stage-local: each stage clips by
   the norm of its own gradients. The PACI default is no clipping.
-* Telemetry: :meth:`paci_stats` (version, local steps, drift histogram),
+* Tied layers on several stages (``TiedLayerSpec``): the owners exchange their window
+  gradients point to point and apply the same total ``L`` windows late, so the copies stay
+  bit-identical with no stage waiting for another; see :mod:`ds_paci.core.tied`.
+* Telemetry: :meth:`paci_stats` (version, local steps, drift histogram, ``tied``),
   :meth:`paci_trace` / :meth:`write_trace` (per-instruction times when
   ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
 """

@@ -105,6 +105,7 @@ class _Exchange:
         self.keys = keys
         self.params = params
         self.numel = sum(p.numel() for p in params)
+        self.device = params[0].device
         self.pending = {}  # version -> {"own": tensor, "recv": {rank: (work, buffer)}}
 
 
@@ -143,8 +144,6 @@ class TiedWeights:
             self.mode = "zero"
         else:
             self.mode = "fp32"
-        window = engine.accumulation_window
-        self.lag = max(tied_lag(engine.num_stages, stages, window) for stages in owners.values())
         self.sync = engine.paci.drain_every_batch
         self.check = engine.paci.check_tied_copies
         rank = engine.global_rank
@@ -182,6 +181,12 @@ class TiedWeights:
         self.drain_wait_seconds = 0.0
         self.checks = 0
 
+    @property
+    def lag(self):
+        """``L`` for the current window (``set_train_batch_size`` may change a defaulted window; it drains first)."""
+        window = self.engine.accumulation_window
+        return max(tied_lag(self.engine.num_stages, stages, window) for stages in self.owners.values())
+
     # -- gradients -----------------------------------------------------------------------
     def _grad_tensor(self, p, create=False):
         """The gradient the optimizer steps on: fp32 ``_hp_grad`` under BF16_Optimizer, else ``p.grad``."""
@@ -196,7 +201,8 @@ class TiedWeights:
         parts = []
         for p in ex.params:
             g = self._grad_tensor(p)
-            parts.append(torch.zeros(p.numel(), dtype=torch.float32) if g is None else g.detach().reshape(-1).float())
+            parts.append(torch.zeros(p.numel(), dtype=torch.float32, device=ex.device)
+                         if g is None else g.detach().reshape(-1).float())
         return torch.cat(parts).clone()
 
     def _write(self, ex, flat):
@@ -227,7 +233,7 @@ class TiedWeights:
         for r in ex.ranks:
             if r == me:
                 continue
-            buf = torch.empty(ex.numel, dtype=torch.float32)
+            buf = torch.empty(ex.numel, dtype=torch.float32, device=ex.device)
             recv[r] = (tdist.irecv(buf, src=r, group=ex.group, tag=version), buf)
             self._sends.append((tdist.isend(own, dst=r, group=ex.group, tag=version), own))
         ex.pending[version] = {"own": own, "recv": recv}
@@ -271,6 +277,7 @@ class TiedWeights:
         """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
         engine = self.engine
         final = version == self._final
+        lag = self.lag
         if final and self.sync and not any(ex.pending for ex in self.exchanges):
             # sync mode: the segment is this one window; DeepSpeed's own tied all-reduce, then its DP reduce
             engine._exec_reduce_tied_grads()
@@ -280,14 +287,14 @@ class TiedWeights:
             engine._exec_reduce_grads()
         for ex in self.exchanges:
             self._post(ex, version)
-            due = sorted(ex.pending) if final else [v for v in sorted(ex.pending) if v <= version - self.lag]
-            if len(due) > (self.lag + 1 if final else 1):
+            due = sorted(ex.pending) if final else [v for v in sorted(ex.pending) if v <= version - lag]
+            if len(due) > (lag + 1 if final else 1):
                 raise RuntimeError(f"tied exchange out of step: windows {due} pending at version {version}")
             total = None
             for v in due:
                 t = self._total(ex, v, in_drain=final)
                 total = t if total is None else total.add_(t)
-            self._write(ex, total if total is not None else torch.zeros(ex.numel, dtype=torch.float32))
+            self._write(ex, total if total is not None else torch.zeros(ex.numel, dtype=torch.float32, device=ex.device))
         if self.mode == "zero":
             engine._exec_reduce_grads()
         self._reap_sends(wait=final)
@@ -355,7 +362,7 @@ class TiedWeights:
         return out
 
     def _full_hp(self, p, key):
-        buf = torch.zeros(p.numel(), dtype=torch.float32)
+        buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
         mapping = getattr(p, "_hp_mapping", None)
         if mapping is not None:
             frag = mapping.hp_fragment if key is None else getattr(mapping, "optim_fragment", {}).get(key)
@@ -374,7 +381,7 @@ class TiedWeights:
             prefix = f"{'+'.join(ex.keys)}."
             weights = _digest({k: v for k, v in snap.items() if k.startswith(prefix) and k.endswith(".weight")})
             state = _digest({k: v for k, v in snap.items() if k.startswith(prefix) and not k.endswith(".weight")})
-            mine = torch.tensor(weights + state, dtype=torch.int64)
+            mine = torch.tensor(weights + state, dtype=torch.int64, device=ex.device)
             works, theirs = [], {}
             for r in ex.ranks:
                 if r != me:
