@@ -175,9 +175,9 @@ def pairing(rank, stages, gas, batches, fresh_iterator_per_call):
 
 
 # -- the PACI gradient on a small model --------------------------------------------------
-def mlp_training(rank, stages, layers, gas, window, calls, lr, bf16=False, client="sgd"):
+def mlp_training(rank, stages, layers, gas, window, calls, lr, bf16=False, client="sgd", tied=False):
     from mlp import mlp_pipeline, regression_batches
-    model = mlp_pipeline(stages, layers=layers)
+    model = mlp_pipeline(stages, layers=layers, tied=tied)
     cfg = ds_config(gas, {"enabled": True, "accumulation_window": window}, bf16=bf16, optimizer=client != "sgd")
     if client == "sgd":
         engine, *_ = ds_paci.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), config=cfg)
