@@ -294,7 +294,9 @@ class TiedWeights:
             for v in due:
                 t = self._total(ex, v, in_drain=final)
                 total = t if total is None else total.add_(t)
-            self._write(ex, total if total is not None else torch.zeros(ex.numel, dtype=torch.float32, device=ex.device))
+            if total is None:  # the first L steps of a segment: nothing due yet
+                total = torch.zeros(ex.numel, dtype=torch.float32, device=ex.device)
+            self._write(ex, total)
         if self.mode == "zero":
             engine._exec_reduce_grads()
         self._reap_sends(wait=final)
