@@ -1,12 +1,11 @@
 """Record every torch.distributed call a process makes (op name, the global ranks of its group, peer).
 
-Each record is a :class:`Call` ``(op, ranks, peer, default_group)``; ``default_group`` tells the
-default (world) group, which the pipeline's own transfers use, from a dedicated group with the
-same ranks.
+Each record is a :class:`Call`: it unpacks as ``(op, ranks, peer)`` and its ``default_group``
+tells the default (world) group, which the pipeline's own transfers use, from a dedicated group
+with the same ranks.
 """
 
 import contextlib
-from typing import NamedTuple, Optional, Tuple
 
 import torch.distributed as tdist
 
@@ -19,11 +18,20 @@ COLLECTIVES = [
 POINT_TO_POINT = ["send", "recv", "isend", "irecv"]
 
 
-class Call(NamedTuple):
-    op: str
-    ranks: Tuple[int, ...]
-    peer: Optional[int]
-    default_group: bool
+class Call(tuple):
+    """One recorded call: unpacks as ``(op, ranks, peer)``; ``default_group`` says whether it used the default group."""
+
+    def __new__(cls, op, ranks, peer, default_group):
+        self = super().__new__(cls, (op, ranks, peer))
+        self.default_group = default_group
+        return self
+
+    def __getnewargs__(self):  # pickling (results travel between processes)
+        return (*self, self.default_group)
+
+    op = property(lambda self: self[0])
+    ranks = property(lambda self: self[1])
+    peer = property(lambda self: self[2])
 
 
 def _is_default(group):
@@ -69,4 +77,5 @@ def record_distributed_calls():
 
 def cross_stage_collectives(calls, stage_of_rank):
     """The collectives among ``calls`` whose group holds ranks of more than one pipeline stage."""
-    return [(c.op, c.ranks) for c in calls if c.op in COLLECTIVES and len({stage_of_rank[r] for r in c.ranks}) > 1]
+    return [(op, ranks) for op, ranks, _ in calls
+            if op in COLLECTIVES and len({stage_of_rank[r] for r in ranks}) > 1]
