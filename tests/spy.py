@@ -1,8 +1,8 @@
-"""Record every torch.distributed call a process makes (op name, the global ranks of its group, the peer).
+"""Record every torch.distributed call a process makes (op name, the global ranks of its group, peer).
 
-Each record is a 3-tuple ``(op, group_ranks, peer)`` with one more attribute, ``default_group``: True when
-the call used the default (WORLD) group, where the pipeline's own transfers run; False for a group of its
-own (e.g. PACI's loss side channel, a per-pipeline gloo group).
+Each record is a :class:`Call`: it unpacks as ``(op, ranks, peer)`` and its ``default_group``
+tells the default (world) group, which the pipeline's own transfers use, from a dedicated group
+with the same ranks.
 """
 
 import contextlib
@@ -19,19 +19,23 @@ POINT_TO_POINT = ["send", "recv", "isend", "irecv"]
 
 
 class Call(tuple):
-    """``(op, group_ranks, peer)``, plus ``.default_group``."""
+    """One recorded call: unpacks as ``(op, ranks, peer)``; ``default_group`` says whether it used the default group."""
 
-    def __new__(cls, op, ranks, peer, default_group=True):
+    def __new__(cls, op, ranks, peer, default_group):
         self = super().__new__(cls, (op, ranks, peer))
         self.default_group = default_group
         return self
 
-    def __reduce__(self):  # results travel between processes by pickle
-        return (Call, (self[0], self[1], self[2], self.default_group))
+    def __getnewargs__(self):  # pickling (results travel between processes)
+        return (*self, self.default_group)
 
     op = property(lambda self: self[0])
     ranks = property(lambda self: self[1])
     peer = property(lambda self: self[2])
+
+
+def _is_default(group):
+    return group is None or group is tdist.GroupMember.WORLD
 
 
 def _group_ranks(group):
@@ -42,7 +46,7 @@ def _group_ranks(group):
 
 @contextlib.contextmanager
 def record_distributed_calls():
-    """Yields a list that fills with ``(op, group_ranks, peer)`` for every call made inside the block."""
+    """Yields a list that fills with a :class:`Call` for every call made inside the block."""
     calls = []
     originals = {}
 
@@ -55,8 +59,7 @@ def record_distributed_calls():
                 peer = kwargs.get("dst", kwargs.get("src"))
                 if peer is None and len(args) > 1:
                     peer = args[1]
-            default = group is None or group is tdist.GroupMember.WORLD
-            calls.append(Call(name, _group_ranks(group), peer, default))
+            calls.append(Call(name, _group_ranks(group), peer, _is_default(group)))
             return fn(*args, **kwargs)
 
         return spy

@@ -88,6 +88,8 @@ def test_configurations_are_validated_and_emulated_gets_a_block_per_stage():
                                                                        ("emulated", 8, 8)]
     overridden = config.override_config(headline[2], {"stages": 4, "steps": None})
     assert (overridden.stages, overridden.n_layer, overridden.name) == (4, 4, "emulated_P4_M8")
+    tied = config.override_config(headline[0], {"tie_embeddings": True})
+    assert tied.name == "real_P2_M4_tied" and "tied embeddings" in tied.label() and not headline[0].tie_embeddings
 
 
 # -- measuring tools -----------------------------------------------------------------------------
@@ -201,12 +203,15 @@ def test_markdown_tables_say_emulated_for_emulated_rows_only():
 # -- end to end ----------------------------------------------------------------------------------
 
 
-def test_smoke_preset_writes_json_markdown_and_plots(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_smoke_preset_writes_json_markdown_and_plots(tmp_path, tied):
     out = tmp_path / "results"
-    assert cli.main(["--preset", "smoke", "--out", str(out), "--log-dir", str(tmp_path / "logs")]) == 0
-    name = config.presets()["smoke"].configs[0].name
+    flags = ["--tie-embeddings"] if tied else []
+    assert cli.main(["--preset", "smoke", "--out", str(out), "--log-dir", str(tmp_path / "logs")] + flags) == 0
+    name = config.presets()["smoke"].configs[0].name + ("_tied" if tied else "")
     entry = json.loads((out / f"{name}.json").read_text())
     assert entry["emulated"] and "emulated" in entry["label"]
+    assert entry["config"]["tie_embeddings"] == tied and ("tied embeddings" in entry["label"]) == tied
     c = entry["comparison"]
     for engine in config.ENGINES:
         assert c["tokens_per_second"][engine]["median"] > 0
@@ -232,6 +237,6 @@ def test_smoke_preset_writes_json_markdown_and_plots(tmp_path):
     assert os.path.isfile(tmp_path / "logs" / name / "paci_round0" / "rank0.log")
     # re-analysis from the stored JSON reproduces the comparison without running anything
     (out / "summary.md").unlink()
-    assert cli.main(["--preset", "smoke", "--out", str(out), "--summary-only"]) == 0
+    assert cli.main(["--preset", "smoke", "--out", str(out), "--summary-only"] + flags) == 0
     assert json.loads((out / f"{name}.json").read_text())["comparison"] == c
     assert "emulated P=2 M=2" in (out / "summary.md").read_text()

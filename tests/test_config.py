@@ -12,9 +12,11 @@ from ds_paci.core.config import PACIConfig, PACIConfigError, load_config, parse_
 def test_defaults_and_valid_section():
     assert parse_paci_section(None) == PACIConfig()
     cfg = parse_paci_section({"enabled": True, "accumulation_window": 8, "drain_every_batch": True,
-                              "watchdog_seconds": 30, "trace": True, "trace_dir": "runs/t", "max_consecutive_skips": 0})
+                              "watchdog_seconds": 30, "trace": True, "trace_dir": "runs/t", "max_consecutive_skips": 0,
+                              "check_tied_copies": True})
     assert cfg.enabled and cfg.accumulation_window == 8 and cfg.watchdog_seconds == 30.0 and cfg.trace
     assert cfg.max_consecutive_skips == 0 and PACIConfig().max_consecutive_skips == 5
+    assert cfg.check_tied_copies and not PACIConfig().check_tied_copies
     assert cfg.window(4) == 8 and PACIConfig(enabled=True).window(4) == 4
 
 
@@ -28,6 +30,7 @@ def test_defaults_and_valid_section():
     ({"enabled": True, "trace_dir": ""}, '"paci.trace_dir"'),
     ({"enabled": True, "max_consecutive_skips": -1}, '"paci.max_consecutive_skips" = -1'),
     ({"enabled": True, "max_consecutive_skips": 2.5}, "an integer >= 0"),
+    ({"enabled": True, "check_tied_copies": 1}, '"paci.check_tied_copies" = 1'),
     ([1, 2], '"paci" must be an object'),
 ])
 def test_bad_sections_name_key_value_and_what_is_allowed(section, needle):
@@ -69,6 +72,11 @@ def test_initialize_refuses_unsupported_runs_on_every_rank():
     assert '"fp16.enabled" = true' in out["fp16"] and "bf16" in out["fp16"]
     assert '"paci.accumulation_window" = 0' in out["window0"]
     assert "acumulation_window" in out["unknown"] and '"accumulation_window"' in out["unknown"]
-    assert "tied layers ['w'] span several pipeline stages" in out["tied"] and "untie" in out["tied"]
+    # tied layers across stages are supported now; the old refusal is gone, a clipping arrangement is refused
+    assert all("no tied-weight policy" not in str(v) for v in out.values())
+    assert out["tied_type"] == "PACIPipelineEngine" and out["tied_stats"]["owner_stages"] == {"w": [0, 1]}
+    assert out["tied_stats"]["lag_windows"] == 1
+    assert '"gradient_clipping" = 1.0 with tied layers [\'w\'] on stages [0, 1]' in out["tied_clip"]
+    assert '"gradient_clipping": 0' in out["tied_clip"] and "untie" in out["tied_clip"]
     assert out["stock_type"] == "PipelineEngine" and out["disabled_type"] == "PipelineEngine"
     assert out["zero1_type"] == "PACIPipelineEngine" and out["zero1_clip"] == 0.0

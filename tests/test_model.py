@@ -8,8 +8,9 @@ import torch
 from harness import run_world
 
 from ds_paci.workload.emulate import EmulatedDeviceTime
-from ds_paci.workload.gpt2 import (SIZES, Block, Embedding, FinalNorm, LMHead, gpt2_config, gpt2_pipeline,
-                            gpt2_reference_model, lm_loss)
+from ds_paci.workload.gpt2 import (SIZES, TIED_KEY, Block, Embedding, FinalNorm, LMHead, PositionEmbedding,
+                                   TiedLMHead, TokenEmbedding, gpt2_config, gpt2_layer_specs, gpt2_pipeline,
+                                   gpt2_reference_model, lm_loss, tied_lm_logits)
 
 
 def _small_config(**overrides):
@@ -120,6 +121,31 @@ def test_lm_head_is_untied_from_the_embedding():
     assert head.proj.weight.abs().sum() > 0
 
 
+def test_tied_model_shares_the_token_embedding_and_starts_from_the_untied_embeddings():
+    cfg = _small_config()
+    untied = gpt2_reference_model(cfg, seed=3)
+    tied = gpt2_reference_model(cfg, seed=3, tie_embeddings=True)
+    token, position, head = tied[0], tied[1], tied[-1]
+    assert isinstance(token, TokenEmbedding) and isinstance(position, PositionEmbedding)
+    assert isinstance(head, TiedLMHead) and head.embedding is token
+    assert torch.equal(token.wte.weight, untied[0].wte.weight) and torch.equal(position.wpe.weight, untied[0].wpe.weight)
+    assert all(torch.equal(p, q) for p, q in zip(tied[2].parameters(), untied[1].parameters()))  # first block
+    # one parameter fewer (the head), and the head's gradient lands on the embedding
+    assert sum(p.numel() for p in tied.parameters()) == sum(p.numel() for p in untied.parameters()) - 97 * 32
+    x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    lm_loss(tied(x), x).backward()
+    only_head = token.wte.weight.grad.clone()
+    token.wte.weight.grad = None
+    with torch.no_grad():
+        hidden = tied[:-1](x)
+    lm_loss(tied_lm_logits(token, hidden), x).backward()
+    assert (only_head - token.wte.weight.grad).abs().max() > 0  # the embedding use adds to the head's gradient
+    specs = gpt2_layer_specs(cfg, seed=3, tie_embeddings=True)
+    from deepspeed.pipe import TiedLayerSpec
+    assert [s.key for s in specs if isinstance(s, TiedLayerSpec)] == [TIED_KEY, TIED_KEY]
+    assert specs[-1].forward_fn is tied_lm_logits and specs[0].forward_fn is None
+
+
 def test_init_is_deterministic_gpt2_style_and_independent_of_global_rng():
     cfg = gpt2_config("tiny", vocab_size=257, n_positions=64)
     torch.manual_seed(0)
@@ -201,6 +227,28 @@ def _one_stage_world(rank):
         }
     out["ref_params"] = [p.detach().clone() for p in ref.parameters()]
     return out
+
+
+def _one_stage_tied_world(rank):
+    cfg = _small_config()
+    x = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(3))
+    ref = gpt2_reference_model(cfg, seed=7, tie_embeddings=True)
+    ref_logits = ref(x)
+    lm_loss(ref_logits, x).backward()
+    pipe = gpt2_pipeline(cfg, num_stages=1, seed=7, tie_embeddings=True)
+    logits = pipe(x)
+    pipe.loss_fn(logits, x).backward()
+    grads = dict((n, p.grad.clone()) for n, p in pipe.named_parameters())
+    return {"ref_logits": ref_logits.detach(), "logits": logits.detach(),
+            "ref_wte_grad": ref[0].wte.weight.grad.clone(), "wte_grad": grads["tied_modules.embed.wte.weight"],
+            "n_params": (sum(p.numel() for p in pipe.parameters()), sum(p.numel() for p in ref.parameters()))}
+
+
+def test_one_stage_tied_pipeline_equals_tied_reference_model():
+    (out,) = run_world(_one_stage_tied_world, 1, timeout=120)
+    assert out["n_params"][0] == out["n_params"][1]
+    assert torch.allclose(out["logits"], out["ref_logits"], atol=1e-6, rtol=0)
+    assert torch.allclose(out["wte_grad"], out["ref_wte_grad"], atol=1e-6, rtol=1e-5)
 
 
 def test_one_stage_pipeline_equals_reference_model():

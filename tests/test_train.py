@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
 
 
-def launch(args, nproc=2, timeout=240):
+def launch(args, nproc=2, timeout=360):
     env = dict(os.environ, DS_ACCELERATOR="cpu", DS_PACI_CACHE_DIR=os.path.join(ROOT, ".cache", "ds_paci"))
     cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(_port()), "launch/train.py"] + args
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -37,12 +37,14 @@ def with_csv_monitor(tmp_path, config):
     return str(path)
 
 
-@pytest.mark.parametrize("config", ["configs/paci.json", "configs/flush.json"])
-def test_main_job_trains_end_to_end(tmp_path, config):
+@pytest.mark.parametrize("config,tie", [("configs/paci.json", False), ("configs/flush.json", False),
+                                        ("configs/paci.json", True)], ids=["paci", "flush", "paci-tied"])
+def test_main_job_trains_end_to_end(tmp_path, config, tie):
     metrics = tmp_path / "metrics.jsonl"
     cfg = with_csv_monitor(tmp_path, config)
+    tie_flag = ["--tie-embeddings"] if tie else []
     run = launch(["--deepspeed_config", cfg, "--steps", "16", "--eval-interval", "8", "--log-interval", "4",
-                  "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ckpt")])
+                  "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ckpt")] + tie_flag)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     assert "==== summary" in out and "validation loss" in out and "tokens/s" in out
@@ -61,6 +63,10 @@ def test_main_job_trains_end_to_end(tmp_path, config):
         assert "weight drift" in out
         drift = summary["drift_per_stage"]
         assert max(int(d) for d in drift[next(iter(drift))]) <= 1
+    assert summary["tie_embeddings"] == tie and (", tied LM head" in out) == tie and (", untied LM head" in out) != tie
+    if tie:  # both stages own the embedding; 16 windows exchanged, applied one window late
+        assert "tied embedding   stages [0, 1]: gradients applied 1 window(s) late, 16 windows exchanged" in out
+        assert [t["windows_exchanged"] for t in summary["tied"]] == [16, 16]
     # DeepSpeed's CSV monitor receives the training loss (from the last stage under PACI)
     loss_csv = tmp_path / "csv" / "job" / "Train_Samples_train_loss.csv"
     rows = loss_csv.read_text().splitlines()
@@ -68,7 +74,8 @@ def test_main_job_trains_end_to_end(tmp_path, config):
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step16"
 
     resumed = launch(["--deepspeed_config", cfg, "--steps", "20", "--eval-interval", "0", "--metrics",
-                      str(tmp_path / "resumed.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"])
+                      str(tmp_path / "resumed.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume"]
+                     + tie_flag)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
     assert "resumed from" in resumed.stdout and "at step 16" in resumed.stdout
     summary = [r for r in read_metrics(tmp_path / "resumed.jsonl") if r["event"] == "summary"][-1]
@@ -81,7 +88,8 @@ def _error_line(run):
     return lines[0]
 
 
-@pytest.mark.parametrize("case", ["missing-data", "empty-data", "seq-len", "stages", "bad-json", "no-checkpoint"])
+@pytest.mark.parametrize("case",
+                         ["missing-data", "empty-data", "seq-len", "stages", "bad-json", "no-checkpoint", "tied-clip"])
 def test_bad_input_gets_one_clear_line_and_nonzero_exit(tmp_path, case):
     args = ["--deepspeed_config", "configs/paci.json", "--steps", "2"]
     empty = tmp_path / "empty"
@@ -103,9 +111,15 @@ def test_bad_input_gets_one_clear_line_and_nonzero_exit(tmp_path, case):
         bad.write_text('{"train_micro_batch_size_per_gpu": 8,, }')
         args[1] = str(bad)
         needles = [str(bad), "not valid JSON"]
-    else:
+    elif case == "no-checkpoint":
         args += ["--checkpoint-dir", str(empty), "--resume"]
         needles = [str(empty), "holds no checkpoint"]
+    else:
+        clip = tmp_path / "clip.json"
+        clip.write_text(json.dumps({**json.load(open(os.path.join(ROOT, "configs/paci.json"))), "gradient_clipping": 1.0}))
+        args[1] = str(clip)
+        args += ["--tie-embeddings"]
+        needles = ["--tie-embeddings", '"gradient_clipping" = 1.0', "drift apart", '"gradient_clipping": 0']
     run = launch(args, timeout=90)
     assert run.returncode != 0
     line = _error_line(run)

@@ -22,9 +22,9 @@ def shakespeare_tokens(n_docs=3):
     return encode_documents(docs[:n_docs], ByteTokenizer())
 
 
-def tiny_gpt(stages, seed=11, dropout=0.0):
+def tiny_gpt(stages, seed=11, dropout=0.0, tie=False):
     cfg = gpt2_config("tiny", vocab_size=257, n_positions=SEQ, n_embd=32, n_layer=4, n_head=2, dropout=dropout)
-    return gpt2_pipeline(cfg, num_stages=stages, seed=seed)
+    return gpt2_pipeline(cfg, num_stages=stages, seed=seed, tie_embeddings=tie)
 
 
 def ds_config(gas, paci=None, bf16=False, optimizer=True, **extra):
@@ -41,6 +41,8 @@ def ds_config(gas, paci=None, bf16=False, optimizer=True, **extra):
         cfg["bf16"] = {"enabled": True}
     if paci is not None:
         cfg["paci"] = paci
+        if paci.get("enabled"):
+            cfg["paci"] = {"check_tied_copies": True, **paci}  # the tied-copy check is on in every test
     return cfg
 
 
@@ -116,10 +118,15 @@ def async_training(rank, stages, batches, gas, window=None, bf16=False):
 
 
 # -- eval, checkpoint, resume ----------------------------------------------------------
-def train_eval_save(rank, stages, paci, batches_before, batches_after, save_dir, gas=2):
+def _tied_checks(engine):
+    tied = engine.paci_stats().get("tied")
+    return tied["copy_checks"] if tied else 0
+
+
+def train_eval_save(rank, stages, paci, batches_before, batches_after, save_dir, gas=2, tie=False):
     tokens = shakespeare_tokens()
     val = eval_micro_batches(shakespeare_tokens(4)[-20000:], MICRO, SEQ, count=gas)
-    model = tiny_gpt(stages)
+    model = tiny_gpt(stages, tie=tie)
     engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=ds_config(gas, paci))
     data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5)
     losses = [_as_float(engine.train_batch(data)) for _ in range(batches_before)]
@@ -133,12 +140,13 @@ def train_eval_save(rank, stages, paci, batches_before, batches_after, save_dir,
     result["losses_after"] = [_as_float(engine.train_batch(data)) for _ in range(batches_after)]
     engine.drain()
     result["weights"] = stage_weights(engine)
+    result["tied_checks"] = _tied_checks(engine)
     return result
 
 
-def resume(rank, stages, paci, batches, load_dir, gas=2):
+def resume(rank, stages, paci, batches, load_dir, gas=2, tie=False):
     tokens = shakespeare_tokens()
-    model = tiny_gpt(stages, seed=999)  # different init: the checkpoint must overwrite it
+    model = tiny_gpt(stages, seed=999, tie=tie)  # different init: the checkpoint must overwrite it
     engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=ds_config(gas, paci))
     path, client_state = engine.load_checkpoint(load_dir)
     data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5)
@@ -146,7 +154,7 @@ def resume(rank, stages, paci, batches, load_dir, gas=2):
     losses = [_as_float(engine.train_batch(data)) for _ in range(batches)]
     engine.drain()
     return {"path": path, "losses": losses, "weights": stage_weights(engine), "version": engine.weight_version,
-            "stream_state": client_state["ds_paci"]["stream"]}
+            "stream_state": client_state["ds_paci"]["stream"], "tied_checks": _tied_checks(engine)}
 
 
 # -- micro-batch pairing across calls ---------------------------------------------------
@@ -167,9 +175,9 @@ def pairing(rank, stages, gas, batches, fresh_iterator_per_call):
 
 
 # -- the PACI gradient on a small model --------------------------------------------------
-def mlp_training(rank, stages, layers, gas, window, calls, lr, bf16=False, client="sgd"):
+def mlp_training(rank, stages, layers, gas, window, calls, lr, bf16=False, client="sgd", tied=False):
     from mlp import mlp_pipeline, regression_batches
-    model = mlp_pipeline(stages, layers=layers)
+    model = mlp_pipeline(stages, layers=layers, tied=tied)
     cfg = ds_config(gas, {"enabled": True, "accumulation_window": window}, bf16=bf16, optimizer=client != "sgd")
     if client == "sgd":
         engine, *_ = ds_paci.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), config=cfg)
@@ -239,11 +247,20 @@ def initialize_errors(rank):
     out["fp16"] = attempt(mlp_pipeline(2), ds_config(2, paci, fp16={"enabled": True}))
     out["window0"] = attempt(mlp_pipeline(2), ds_config(2, {"enabled": True, "accumulation_window": 0}))
     out["unknown"] = attempt(mlp_pipeline(2), ds_config(2, {"enabled": True, "acumulation_window": 4}))
-    tied = PipelineModule(layers=[TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"]), LayerSpec(TanhLayer, 1, 7),
-                                  TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"])], num_stages=2, loss_fn=mse,
-                          partition_method="uniform")
-    out["tied"] = attempt(tied, ds_config(2, paci))
-    # accepted: the same tied model is fine for the stock engine, and PACI accepts ZeRO-1
+    def tied_mlp():
+        return PipelineModule(layers=[TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"]),
+                                      LayerSpec(TanhLayer, 1, 7),
+                                      TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"])],
+                              num_stages=2, loss_fn=mse, partition_method="uniform")
+
+    # tied layers on two stages: stage-local clipping would scale the copies differently, so it is refused
+    out["tied_clip"] = attempt(tied_mlp(), ds_config(2, paci, gradient_clipping=1.0))
+    # accepted: tied layers across stages (PACI exchanges their gradients), the stock engine, ZeRO-1
+    tied = tied_mlp()
+    engine, *_ = ds_paci.initialize(model=tied, model_parameters=tied.parameters(), config=ds_config(2, paci))
+    out["tied_type"] = type(engine).__name__
+    out["tied_stats"] = engine.paci_stats()["tied"]
+    tied = tied_mlp()
     engine, *_ = ds_paci.initialize(model=tied, model_parameters=tied.parameters(), config=ds_config(2))
     out["stock_type"] = type(engine).__name__
     engine, *_ = ds_paci.initialize(model=mlp_pipeline(2), config=ds_config(2, {"enabled": False}),
@@ -255,3 +272,98 @@ def initialize_errors(rank):
     out["zero1_type"] = type(engine).__name__
     out["zero1_clip"] = engine.gradient_clipping()
     return out
+
+
+# -- tied weights across stages ----------------------------------------------------------
+def tied_state(engine):
+    """This rank's tied parameters and their optimizer state (fp32 masters gathered over DP), or ``{}``."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    if getattr(engine, "_tied", None) is not None:
+        return engine._tied.snapshot()
+    assert isinstance(engine, PipelineEngine)
+    out = {}
+    for key, comm in engine.module.tied_comms.items():
+        for attr in comm["weight_attr"]:
+            out[f"{key}.{attr}"] = engine.module._recursive_getattr(comm["module"], attr).detach().float().clone()
+    return out
+
+
+def record_tied_digests(engine):
+    """Digest of this rank's tied copies (weights and optimizer state) after every local step: {version: hex}."""
+    import hashlib
+    digests = {}
+    if getattr(engine, "_tied", None) is None or not engine._tied.exchanges:
+        return digests
+    step = engine._local_step
+
+    def step_and_record(version):
+        step(version)
+        h = hashlib.sha256()
+        for name, t in sorted(engine._tied.snapshot().items()):
+            h.update(name.encode() + t.contiguous().numpy().tobytes())
+        digests[version] = h.hexdigest()
+
+    engine._local_step = step_and_record
+    return digests
+
+
+def tied_training(rank, stages, batches, gas, window=None, bf16=False, zero_stage=0, client_optimizer=False,
+                  modes=("async",), lr=3e-3):
+    """Train the tied tiny GPT in each of ``modes`` (stock / sync / async) from the same init and data."""
+    from spy import record_distributed_calls
+    tokens = shakespeare_tokens()
+    paci_of = {"stock": None, "sync": {"enabled": True, "drain_every_batch": True}, "async": {"enabled": True}}
+    out = {}
+    for name in modes:
+        paci = paci_of[name]
+        if paci is not None and window:
+            paci = {**paci, "accumulation_window": window}
+        model = tiny_gpt(stages, tie=True)
+        cfg = ds_config(gas, paci=paci, bf16=bf16, optimizer=not client_optimizer,
+                        zero_optimization={"stage": zero_stage})
+        if not client_optimizer:
+            cfg["optimizer"]["params"]["lr"] = lr
+        kwargs = {}
+        if client_optimizer:
+            kwargs["optimizer"] = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        else:
+            kwargs["model_parameters"] = model.parameters()
+        engine, *_ = ds_paci.initialize(model=model, config=cfg, **kwargs)
+        data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5, dp_rank=engine.grid.data_parallel_id,
+                                  dp_size=engine.grid.data_parallel_size)
+        digests = record_tied_digests(engine)
+        with record_distributed_calls() as calls:
+            losses = [_as_float(engine.train_batch(data)) for _ in range(batches)]
+        stats_before = engine.paci_stats() if name != "stock" else None
+        if name != "stock":
+            engine.drain()
+        out[name] = {"losses": losses, "weights": stage_weights(engine), "tied": tied_state(engine),
+                     "digests": digests, "calls": calls, "stage_of_rank": stage_of_rank(engine),
+                     "stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
+                     "optimizer": type(engine.optimizer).__name__, "type": type(engine).__name__,
+                     "stats_before_drain": stats_before,
+                     "stats": engine.paci_stats() if name != "stock" else None}
+    return out
+
+
+def tied_peer_never_posts(rank, watchdog_seconds):
+    """Stage 0 drops its tied-gradient sends: stage 1 waits in the tied exchange until its watchdog names it."""
+    import torch.distributed as tdist
+
+    class Sent:  # a send that "completed" without sending anything
+
+        def wait(self):
+            return True
+
+        def is_completed(self):
+            return True
+
+    model = tiny_gpt(2, tie=True)
+    cfg = ds_config(2, {"enabled": True, "watchdog_seconds": watchdog_seconds})
+    engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    if rank == 0:
+        tdist.isend = lambda *args, **kwargs: Sent()  # only the tied exchange uses isend
+    data = MicroBatchIterator(shakespeare_tokens(), MICRO, SEQ, seed=5)
+    for _ in range(4):
+        engine.train_batch(data)
+    return "trained"

@@ -8,7 +8,8 @@ Example (JSON)::
         "drain_every_batch": false,
         "watchdog_seconds": 300,
         "max_consecutive_skips": 5,
-        "trace": false
+        "trace": false,
+        "check_tied_copies": false
     }
 
 Keys (every one optional except ``enabled``):
@@ -36,6 +37,11 @@ Keys (every one optional except ``enabled``):
     million records are kept.
 ``trace_dir`` (path, default none)
     Where ``engine.write_trace()`` writes ``trace_rank<R>.jsonl`` when called without a path.
+``check_tied_copies`` (bool, default false)
+    With tied layers on several stages (see :mod:`ds_paci.core.tied`): after every drain and
+    after loading a checkpoint, the owning stages compare digests of their copies (weights and
+    optimizer state) point to point and raise if any bit differs. A debugging aid (it hashes the
+    tied parameters and their optimizer state at every drain); the tests turn it on.
 
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
 names the key, the value and what is allowed. ``ds_paci.initialize`` and
@@ -73,6 +79,7 @@ class PACIConfig:
     max_consecutive_skips: int = 5
     trace: bool = False
     trace_dir: Optional[str] = None
+    check_tied_copies: bool = False
 
     def window(self, gradient_accumulation_steps):
         """The effective accumulation window ``a``."""
@@ -87,6 +94,7 @@ _KEYS = {
     "max_consecutive_skips": "an integer >= 0 (0: never stop on skipped non-finite steps)",
     "trace": "true or false",
     "trace_dir": "a directory path",
+    "check_tied_copies": "true or false",
 }
 
 
@@ -113,7 +121,7 @@ def parse_paci_section(section):
         return PACIConfigError(f'"paci.{key}" = {value!r} is not allowed; use {_KEYS[key]}')
 
     kw = {}
-    for key in ("enabled", "drain_every_batch", "trace"):
+    for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies"):
         if key in section:
             if not _is_bool(section[key]):
                 raise bad(key, section[key])
@@ -220,18 +228,6 @@ def check_accumulation_window(window, gradient_accumulation_steps):
                               f'use at most {limit} (for a larger effective batch raise gradient_accumulation_steps)')
 
 
-def _tied_keys_across_stages(model):
-    """Names of TiedLayerSpec keys whose layers live on more than one pipeline stage."""
-    from deepspeed.runtime.pipe.module import TiedLayerSpec
-    stages_of = {}
-    parts = model.parts
-    for idx, spec in enumerate(model._layer_specs):
-        if isinstance(spec, TiedLayerSpec):
-            stage = next(s for s in range(model.num_stages) if parts[s] <= idx < parts[s + 1])
-            stages_of.setdefault(spec.key, set()).add(stage)
-    return sorted(k for k, st in stages_of.items() if len(st) > 1)
-
-
 def validate_run(ds_config, model, paci):
     """Fail fast on every combination the PACI engine cannot honour; returns a copy of the config, unchanged.
 
@@ -248,11 +244,11 @@ def validate_run(ds_config, model, paci):
     check_zero_stage(ds_config)
     check_fp16(ds_config)
     check_accumulation_window(paci.accumulation_window, ds_config.get("gradient_accumulation_steps"))
-    tied = _tied_keys_across_stages(model)
-    if tied:
-        raise PACIConfigError(f"tied layers {tied} span several pipeline stages; keeping tied copies identical needs a "
-                              "cross-stage gradient all-reduce, which PACI does not run (no tied-weight policy is "
-                              "supported yet); untie them (e.g. a separate LM head) or place the tied layers on one stage")
+    if not paci.drain_every_batch:
+        from .tied import tied_arrangement_problem
+        tied = tied_arrangement_problem(ds_config, model)
+        if tied:
+            raise PACIConfigError(tied)
     return copy.deepcopy(ds_config)
 
 

@@ -34,19 +34,22 @@ Contract (see also ``docs``/README):
   ``.data`` (see :mod:`ds_paci.core.local_step`), so autograd's version check never fires.
 * Sync mode (``drain_every_batch`` with ``a = M``) is the stock engine: DeepSpeed's
   norms, clipping (default 1.0 when the key is absent, over the whole pipeline),
-  overflow handling and scheduler; its local steps wait for the end of the call, as
-  DeepSpeed's ``OptimizerStep`` does. Async mode: clipping by each stage's own norm
-  when ``gradient_clipping`` is set, none when the key is absent (said in the start-up
-  log line); a local step whose gradient is not finite is skipped (the scheduler
-  still steps), ``was_step_applied()`` says so, and ``paci.max_consecutive_skips``
-  skips in a row stop every rank (:mod:`ds_paci.core.guard`).
+  overflow handling, tied-gradient all-reduce and scheduler; its local steps wait for
+  the end of the call, as DeepSpeed's ``OptimizerStep`` does. Async mode: clipping by
+  each stage's own norm when ``gradient_clipping`` is set, none when the key is absent
+  (said in the start-up log line); a local step whose gradient is not finite is skipped
+  (the scheduler still steps), ``was_step_applied()`` says so, and
+  ``paci.max_consecutive_skips`` skips in a row stop every rank (:mod:`ds_paci.core.guard`).
 * ``was_step_applied()``: False only after a skipped step (True before the first one).
   ``get_global_grad_norm()``: the stage's own gradient norm at its last local step
   (async; over its data-parallel group, never across stages), DeepSpeed's value in
   sync mode.
+* Tied layers on several stages (``TiedLayerSpec``): the owners exchange their window
+  gradients point to point and apply the same total ``L`` windows late, so the copies stay
+  bit-identical with no stage waiting for another; see :mod:`ds_paci.core.tied`.
 * Refusals (:func:`ds_paci.core.config.validate_run`) run in ``__init__`` too, before
   DeepSpeed builds the optimizer, so building the class directly fails the same way.
-* Telemetry: :meth:`paci_stats` (version, local steps, drift histogram),
+* Telemetry: :meth:`paci_stats` (version, local steps, drift histogram, ``tied``),
   :meth:`paci_trace` / :meth:`write_trace` (per-instruction times when
   ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
 """
@@ -71,6 +74,7 @@ from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
 from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
 from .telemetry import StageTelemetry
+from .tied import TiedWeights
 from .watchdog import Watchdog
 
 
@@ -131,6 +135,7 @@ class PACIPipelineEngine(PipelineEngine):
         self._channel = LossChannel(*pipeline_groups(self.grid), self.stage_id)
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
                                   explain=self._explain_wait)
+        self._tied = TiedWeights.create(self)  # tied layers on several stages (every rank: it creates groups)
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(self._config.monitor_config)
@@ -233,6 +238,8 @@ class PACIPipelineEngine(PipelineEngine):
             self._stream.load_state_dict(client_state["ds_paci"]["stream"])
             self.telemetry.version = self._stream.version
         self._feed.clear()
+        if self._tied is not None and self._tied.check:
+            self._tied.verify("after loading a checkpoint")
         return path, client_state
 
     def set_train_batch_size(self, train_batch_size):
@@ -288,7 +295,8 @@ class PACIPipelineEngine(PipelineEngine):
                      max_consecutive_skips=self._skips.limit,
                      grad_norm=None if self._global_grad_norm is None else float(self._global_grad_norm),
                      loss_origin_call=origin,
-                     loss_age=None if origin is None else self._loss_calls - origin)
+                     loss_age=None if origin is None else self._loss_calls - origin,
+                     tied=None if self._tied is None else self._tied.stats())
         return stats
 
     def paci_trace(self):
@@ -304,7 +312,10 @@ class PACIPipelineEngine(PipelineEngine):
 
     # -- stream execution -------------------------------------------------------------
     def _run_drain(self):
-        self._run(self._stream.drain())
+        ticks = self._stream.drain()
+        if self._tied is not None:
+            self._tied.begin_drain(ticks)
+        self._run(ticks)
         self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
         if self._deferred_steps:  # sync mode: the call's local step(s) after its last tick, as DeepSpeed steps
             steps, self._deferred_steps = self._deferred_steps, []
@@ -313,6 +324,8 @@ class PACIPipelineEngine(PipelineEngine):
                 self._run([steps], first_tick=self._stream.ticks_emitted)
             finally:
                 self._releasing_steps = False
+        if self._tied is not None:  # a tied owner's last step of the segment, after every stage has posted
+            self._tied.end_drain(self._local_step, self._stream.ticks_emitted - 1)
 
     def _run(self, ticks, first_tick=None):
         table = self._PACI_INSTRUCTIONS
@@ -375,7 +388,19 @@ class PACIPipelineEngine(PipelineEngine):
         if self._stock_step and not self._releasing_steps:
             self._deferred_steps.append(cmd)  # run at the end of the call (see _run_drain)
             return
-        self._exec_reduce_grads()  # DP group of this stage only
+        if self._tied is not None and not self._stock_step and self._tied.defer(cmd):
+            return  # the segment's last step of a tied owner runs at the end of the drain
+        self._local_step(cmd.version)
+
+    def _local_step(self, version):
+        if self._stock_step:  # DeepSpeed's order: tied all-reduce, then the DP reduce
+            if self._tied is not None:
+                self._exec_reduce_tied_grads()
+            self._exec_reduce_grads()
+        elif self._tied is not None:
+            self._tied.reduce_grads(version)  # DP reduce plus the tied-gradient exchange
+        else:
+            self._exec_reduce_grads()  # DP group of this stage only
         if self._aliases is not None:
             self._aliases.bind_grads()
         if self._stock_step:
@@ -386,7 +411,7 @@ class PACIPipelineEngine(PipelineEngine):
         if self._aliases is not None:
             self._aliases.release_grads()
         self.telemetry.stepped()
-        if self._skips.record(applied, cmd.version) and not self._stock_step:
+        if self._skips.record(applied, version) and not self._stock_step:
             self._stop_request = (self._skips.last_skipped_step, self._skips.consecutive, self._skips.limit)
 
     def clip_fp32_gradients(self):

@@ -32,6 +32,7 @@ class Watchdog:
         self._describe_instruction = describe_instruction
         self._explain = explain
         self._current = None  # (instruction, tick) or None when idle
+        self._detail = None  # what the instruction is waiting for, when it says (see note())
         self._since = 0.0
         self._last_done = None
         self._stop = threading.Event()
@@ -42,14 +43,21 @@ class Watchdog:
 
     def enter(self, instruction, tick):
         self._since = time.monotonic()
+        self._detail = None
         self._current = (instruction, tick)
+
+    def note(self, detail):
+        """Say what the current instruction waits for (``None`` clears it); the report names it."""
+        self._detail = detail
 
     def done(self):
         self._last_done = self._current
         self._current = None
+        self._detail = None
 
     def idle(self):
         self._current = None
+        self._detail = None
 
     def close(self):
         self._stop.set()
@@ -57,6 +65,7 @@ class Watchdog:
     def message(self, waited):
         instruction, tick = self._current
         last = "none" if self._last_done is None else self._describe_instruction(self._last_done[0])
+        detail = f", {self._detail}" if self._detail else ""
         if self._explain is not None:
             try:
                 why = self._explain(instruction)
@@ -65,7 +74,7 @@ class Watchdog:
         else:
             why = "; a neighbouring stage is stuck, dead or running a different stream"
         return (f"[ds_paci watchdog] {self._describe_rank()} has waited {waited:.0f}s in "
-                f"{self._describe_instruction(instruction)} at tick {tick} of its stream "
+                f"{self._describe_instruction(instruction)} at tick {tick} of its stream{detail} "
                 f"(last completed: {last}){why}. Aborting this rank (exit code {EXIT_CODE}).")
 
     def _watch(self):

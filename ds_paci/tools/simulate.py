@@ -16,7 +16,12 @@ Execution semantics (what :func:`simulate` models):
   the earlier side waits meanwhile.
 * Forward, backward, step and load occupy the stage for their cost. Everything else
   (``LocalAccumulate``, ``ReduceGrads``, ``ReduceTiedGrads``) is free and stage-local:
-  a single data-parallel replica and no tied modules.
+  a single data-parallel replica and no tied modules, unless ``tied`` is given.
+* ``tied`` (a :class:`TiedExchange`) adds PACI's tied-weight exchange
+  (:mod:`ds_paci.core.tied`): an owner stage posts its window at the start of each local
+  step; before its ``k``-th step it waits until every other owner has posted step ``k - lag``,
+  and the program's last step (after the drain) waits for every owner's last post. The time
+  an owner spends there is ``tied_wait`` (the last step's separately, ``tied_drain_wait``).
 * When no stage can progress and some still have instructions, the run is a
   deadlock: the result names each stuck stage, its instruction and its position.
   Paired send/receive that both carry ``micro_batch_id`` must agree; disagreements
@@ -46,9 +51,9 @@ from .records import COMPUTE_KINDS, records_from_sim
 from .render import to_chrome_trace, to_png, to_text_grid
 
 __all__ = [
-    "CostModel", "Event", "StuckStage", "Deadlock", "DeadlockError", "PairingError", "SimResult", "simulate",
-    "stock_programs", "paci_programs", "simulate_stock", "simulate_paci", "simulate_schedule", "long_run_period",
-    "reference_rows", "comparison_rows", "markdown_table", "main"
+    "CostModel", "TiedExchange", "Event", "StuckStage", "Deadlock", "DeadlockError", "PairingError", "SimResult",
+    "simulate", "stock_programs", "paci_programs", "simulate_stock", "simulate_paci", "simulate_schedule",
+    "long_run_period", "reference_rows", "comparison_rows", "markdown_table", "main"
 ]
 
 Number = Union[int, float]
@@ -87,6 +92,19 @@ class CostModel:
         if self.backward is None:
             return 2.0 * self._per_stage(self.forward, stage)
         return self._per_stage(self.backward, stage)
+
+
+@dataclass(frozen=True)
+class TiedExchange:
+    """Tied-weight owners (stages) and the lag of their exchange, for :func:`simulate`.
+
+    ``drained``: the program ends with a drain, so its last step of every owner waits for
+    every owner's last post (the engine runs it after the drain's last tick).
+    """
+
+    owners: tuple
+    lag: int
+    drained: bool = True
 
 
 # -- results ----------------------------------------------------------------------------
@@ -179,6 +197,8 @@ class SimResult:
     mismatches: List[str] = field(default_factory=list)
     steady_window: Optional[tuple] = None
     steady_state_bubble: Optional[float] = None
+    tied_wait: List[float] = field(default_factory=list)
+    tied_drain_wait: List[float] = field(default_factory=list)
 
     @property
     def ok(self):
@@ -263,7 +283,7 @@ def _lower(stage, ticks, stages):
     return ops
 
 
-def simulate(programs, cost=None, *, drain_tick=None):
+def simulate(programs, cost=None, *, drain_tick=None, tied=None):
     """Simulate ``programs`` (``programs[s]`` = stage ``s``'s list of ticks) under ``cost``.
 
     Never hangs: a deadlock is returned in :attr:`SimResult.deadlock` (call
@@ -276,6 +296,8 @@ def simulate(programs, cost=None, *, drain_tick=None):
     time stage 0 begins ``drain_tick`` (it stops admitting micro-batches there, which
     is the first stage to leave the steady state). ``steady_state_bubble`` is
     ``1 - (compute time of all stages inside the window) / (P * window length)``.
+
+    ``tied`` (a :class:`TiedExchange`) adds the tied-weight exchange (see the module docstring).
     """
     cost = cost or CostModel()
     P = len(programs)
@@ -296,6 +318,27 @@ def simulate(programs, cost=None, *, drain_tick=None):
     peak = [0] * P
     drift = [Counter() for _ in range(P)]
     mismatches = []
+    owners = sorted(set(tied.owners)) if tied else []
+    total_steps = {s: sum(op.code == _STEP for op in ops[s]) for s in owners}
+    if tied and tied.drained:  # an owner's last step runs after the drain's last tick, as in the engine
+        for s in owners:
+            last = max((i for i, op in enumerate(ops[s]) if op.code == _STEP), default=None)
+            if last is not None:
+                op = ops[s].pop(last)
+                ops[s].append(op._replace(tick=max(op.tick, ops[s][-1].tick if ops[s] else 0)))
+    step_count = [0] * P  # steps started (posted) per stage
+    posted = {}  # (stage, k) -> time of the post
+    tied_blocked = [None] * P  # (needed posts, arrival time) of an owner waiting before a step
+    tied_cleared = [False] * P
+    tied_wait = [0.0] * P
+    tied_drain_wait = [0.0] * P
+
+    def tied_needs(s, k):
+        last = tied.drained and k == total_steps[s]
+        due = total_steps[s] if last else k - tied.lag
+        if due < 1:
+            return [], last
+        return [(q, due) for q in owners if q != s], last
 
     def run_local(s):
         """Execute stage ``s`` until it blocks at a p2p op (recording its arrival) or ends."""
@@ -320,6 +363,26 @@ def simulate(programs, cost=None, *, drain_tick=None):
                     drift[s][version[s] - start_version] += 1
                 in_flight[s] -= 1
             elif code == _STEP:
+                if s in total_steps and not tied_cleared[s]:
+                    if tied_blocked[s] is None:  # first arrival: post this window
+                        step_count[s] += 1
+                        posted[(s, step_count[s])] = now
+                        wake(s)
+                    needs, last = tied_needs(s, step_count[s])
+                    missing = [n for n in needs if n not in posted]
+                    if missing:
+                        tied_blocked[s] = (needs, now)
+                        break
+                    tied_blocked[s] = None
+                    until = max([now] + [posted[n] for n in needs])
+                    if until > now:
+                        evs.append(Event(now, until, f"TIED{step_count[s]}", "wait"))
+                        if last:
+                            tied_drain_wait[s] += until - now
+                        else:
+                            tied_wait[s] += until - now
+                        now = until
+                tied_cleared[s] = False
                 dur = cost.step
                 version[s] += 1
             elif code == _LOAD:
@@ -333,6 +396,27 @@ def simulate(programs, cost=None, *, drain_tick=None):
             ends[i] = now = end
             i += 1
         pos[s], clock[s] = i, now
+
+    def wake(poster):
+        """Owners blocked before a step whose needed posts are all in: let them run again."""
+        for q in owners:
+            if tied_blocked[q] is None or q == poster:
+                continue
+            needs, arrival = tied_blocked[q]
+            if all(n in posted for n in needs):
+                tied_blocked[q] = None
+                until = max([arrival] + [posted[n] for n in needs])
+                if until > arrival:
+                    events[q].append(Event(arrival, until, f"TIED{step_count[q]}", "wait"))
+                    if tied_needs(q, step_count[q])[1]:
+                        tied_drain_wait[q] += until - arrival
+                    else:
+                        tied_wait[q] += until - arrival
+                clock[q] = until
+                tied_cleared[q] = True
+                if not queued[q]:
+                    queued[q] = True
+                    ready.append(q)
 
     def rendezvous(a, b):
         """Pair stage ``a``'s and stage ``b``'s blocked p2p ops; advance both."""
@@ -353,11 +437,18 @@ def simulate(programs, cost=None, *, drain_tick=None):
 
     ready = deque(range(P))
     queued = [True] * P
+
+    def partner(s):
+        op = ops[s][pos[s]]
+        if op.code in _PARTNER:
+            return s + _PARTNER[op.code][0]
+        return next(q for q, k in tied_blocked[s][0] if (q, k) not in posted)
+
     while ready:
         s = ready.popleft()
         queued[s] = False
         run_local(s)
-        if pos[s] == n_ops[s]:
+        if pos[s] == n_ops[s] or tied_blocked[s] is not None:
             continue
         offset, wanted = _PARTNER[ops[s][pos[s]].code]
         q = s + offset
@@ -374,8 +465,8 @@ def simulate(programs, cost=None, *, drain_tick=None):
         deadlock = Deadlock(
             time=max(clock),
             stuck=[
-                StuckStage(s, ops[s][pos[s]].tick, ops[s][pos[s]].index, ops[s][pos[s]].text,
-                           s + _PARTNER[ops[s][pos[s]].code][0]) for s in stuck
+                StuckStage(s, ops[s][pos[s]].tick, ops[s][pos[s]].index, ops[s][pos[s]].text, partner(s))
+                for s in stuck
             ])
 
     makespan = max(clock, default=0.0)
@@ -393,6 +484,8 @@ def simulate(programs, cost=None, *, drain_tick=None):
         tick_start=tick_start,
         deadlock=deadlock,
         mismatches=mismatches,
+        tied_wait=tied_wait if tied else [],
+        tied_drain_wait=tied_drain_wait if tied else [],
     )
     if drain_tick is not None and deadlock is None:
         _measure_steady_state(result, drain_tick)

@@ -7,6 +7,18 @@ Layers (each maps ONE tensor to ONE tensor)::
     FinalNorm   hidden -> hidden                      LayerNorm
     LMHead      hidden -> logits[B, T, V]             bias-free Linear, NOT tied to the embedding
 
+With ``tie_embeddings=True`` (GPT-2's own arrangement) the LM head reuses the token embedding
+through DeepSpeed's ``TiedLayerSpec("embed", ...)`` and the embedding layer is split in two, so
+that the tied module holds the token embedding only::
+
+    TokenEmbedding     LongTensor[B, T] -> [B, T, d]   wte (tied, key "embed")
+    PositionEmbedding  [B, T, d] -> [B, T, d]          + wpe, dropout
+    Block × L, FinalNorm
+    TokenEmbedding     [B, T, d] -> logits[B, T, V]    the same wte, through :func:`tied_lm_logits`
+
+The tied and the untied model start from the same token and position embeddings (the head
+of the tied model is that embedding).
+
 Weights are random (nothing is downloaded) and initialised GPT-2 style from an
 explicit per-layer seed (:func:`layer_seeds`), with a private ``torch.Generator``:
 a layer's weights depend only on ``(seed, its role)``, not on global random state,
@@ -35,6 +47,11 @@ __all__ = [
     "Block",
     "FinalNorm",
     "LMHead",
+    "TokenEmbedding",
+    "PositionEmbedding",
+    "TiedLMHead",
+    "tied_lm_logits",
+    "TIED_KEY",
     "lm_loss",
     "gpt2_layer_specs",
     "gpt2_pipeline",
@@ -50,6 +67,7 @@ SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 _INIT_STD = 0.02
+TIED_KEY = "embed"  #: the TiedLayerSpec key of the tied token embedding / LM head
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -131,6 +149,61 @@ class Embedding(nn.Module):
         return self.drop(self.wte(input_ids) + self.wpe(positions))
 
 
+class TokenEmbedding(nn.Module):
+    """Token embedding only (``wte``), the module GPT-2 ties to its LM head: ``LongTensor[B, T] -> [B, T, d]``.
+
+    Initialised exactly like :class:`Embedding`'s ``wte`` for the same seed.
+    """
+
+    def __init__(self, config, init_seed: int = 0):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        _normal_(self.wte.weight, _INIT_STD, torch.Generator().manual_seed(int(init_seed)))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.wte(input_ids)
+
+
+class PositionEmbedding(nn.Module):
+    """Adds learned position embeddings, then dropout: ``[B, T, d] -> [B, T, d]``.
+
+    ``wpe`` is initialised exactly like :class:`Embedding`'s for the same seed (drawn after ``wte``).
+    """
+
+    def __init__(self, config, init_seed: int = 0):
+        super().__init__()
+        self.n_positions = config.n_positions
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        gen = torch.Generator().manual_seed(int(init_seed))
+        torch.randn((config.vocab_size, config.n_embd), generator=gen)  # wte's draw, as in Embedding
+        _normal_(self.wpe.weight, _INIT_STD, gen)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        seq_len = hidden.shape[-2]
+        if seq_len > self.n_positions:
+            raise ValueError(f"sequence length {seq_len} exceeds the model's n_positions {self.n_positions}; "
+                             f"use seq_len <= {self.n_positions} or build the model with n_positions >= {seq_len}")
+        positions = torch.arange(seq_len, device=hidden.device)
+        return self.drop(hidden + self.wpe(positions))
+
+
+def tied_lm_logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    """The tied LM head: ``hidden @ wte^T`` (the ``forward_fn`` of the last ``TiedLayerSpec``)."""
+    return F.linear(hidden, embedding.wte.weight)
+
+
+class TiedLMHead(nn.Module):
+    """:func:`tied_lm_logits` as a module sharing ``embedding`` (for :func:`gpt2_reference_model`)."""
+
+    def __init__(self, embedding: TokenEmbedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return tied_lm_logits(self.embedding, hidden)
+
+
 class Block(nn.Module):
     """One causal transformer block: transformers' ``GPT2Block`` with sdpa attention.
 
@@ -195,20 +268,32 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def gpt2_layer_specs(config, *, seed: int = 1234, device_time: float = 0.0) -> list:
+def gpt2_layer_specs(config, *, seed: int = 1234, device_time: float = 0.0, tie_embeddings: bool = False) -> list:
     """The ``LayerSpec`` list of :func:`gpt2_pipeline`.
 
-    With ``device_time > 0`` an :class:`EmulatedDeviceTime` follows each ``Block``.
+    With ``device_time > 0`` an :class:`EmulatedDeviceTime` follows each ``Block``. With
+    ``tie_embeddings`` the first and last layers are ``TiedLayerSpec(TIED_KEY, TokenEmbedding)``
+    (the last through :func:`tied_lm_logits`), with a :class:`PositionEmbedding` after the first.
     """
-    from deepspeed.pipe import LayerSpec
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     seeds = layer_seeds(config, seed)
-    specs = [LayerSpec(Embedding, config, init_seed=seeds["embedding"])]
+    if tie_embeddings:
+        specs = [TiedLayerSpec(TIED_KEY, TokenEmbedding, config, init_seed=seeds["embedding"],
+                               tied_weight_attr=["wte.weight"]),
+                 LayerSpec(PositionEmbedding, config, init_seed=seeds["embedding"])]
+    else:
+        specs = [LayerSpec(Embedding, config, init_seed=seeds["embedding"])]
     for i, block_seed in enumerate(seeds["blocks"]):
         specs.append(LayerSpec(Block, config, layer_idx=i, init_seed=block_seed))
         if device_time > 0:
             specs.append(LayerSpec(EmulatedDeviceTime, device_time))
-    specs += [LayerSpec(FinalNorm, config), LayerSpec(LMHead, config, init_seed=seeds["head"])]
+    specs.append(LayerSpec(FinalNorm, config))
+    if tie_embeddings:
+        specs.append(TiedLayerSpec(TIED_KEY, TokenEmbedding, config, init_seed=seeds["embedding"],
+                                   forward_fn=tied_lm_logits, tied_weight_attr=["wte.weight"]))
+    else:
+        specs.append(LayerSpec(LMHead, config, init_seed=seeds["head"]))
     return specs
 
 
@@ -221,7 +306,7 @@ def _set_seed(seed) -> None:
 
 def gpt2_pipeline(config, num_stages: int | None = None, *, topology=None, seed: int = 1234,
                   device_time: float = 0.0, activation_checkpoint_interval: int = 0,
-                  partition_method: str = "type:Block"):
+                  partition_method: str = "type:Block", tie_embeddings: bool = False):
     """GPT-2 as a ``deepspeed.pipe.PipelineModule`` with loss :func:`lm_loss`.
 
     Layers: Embedding, ``n_layer`` x Block, FinalNorm, LMHead, partitioned by
@@ -231,6 +316,8 @@ def gpt2_pipeline(config, num_stages: int | None = None, *, topology=None, seed:
     :class:`EmulatedDeviceTime` layer follows each Block, so a stage's emulated
     device time is proportional to its number of blocks (with activation
     checkpointing the recomputed forward waits again, as real recompute would).
+    ``tie_embeddings`` ties the LM head to the token embedding (see the module docstring):
+    DeepSpeed keeps one copy per owning stage (first and last) and broadcasts it at start.
 
     torch.distributed (and DeepSpeed's comm layer, ``deepspeed.init_distributed``)
     must be initialised and ``LOCAL_RANK`` set before calling this; each rank
@@ -241,7 +328,7 @@ def gpt2_pipeline(config, num_stages: int | None = None, *, topology=None, seed:
 
     if device_time < 0:
         raise ValueError(f"device_time must be >= 0 seconds, got {device_time!r}")
-    specs = gpt2_layer_specs(config, seed=seed, device_time=device_time)
+    specs = gpt2_layer_specs(config, seed=seed, device_time=device_time, tie_embeddings=tie_embeddings)
     module = PipelineModule(layers=specs, num_stages=num_stages, topology=topology, loss_fn=lm_loss,
                             seed_layers=True, base_seed=seed, seed_fn=_set_seed,
                             partition_method=partition_method,
@@ -253,16 +340,23 @@ def gpt2_pipeline(config, num_stages: int | None = None, *, topology=None, seed:
     return module
 
 
-def gpt2_reference_model(config, seed: int = 1234, device_time: float = 0.0) -> nn.Sequential:
+def gpt2_reference_model(config, seed: int = 1234, device_time: float = 0.0,
+                         tie_embeddings: bool = False) -> nn.Sequential:
     """The same layers as :func:`gpt2_pipeline` in one ``nn.Sequential``, with identical weights.
 
-    For single-process checks; no torch.distributed needed. Loss: :func:`lm_loss`.
+    For single-process checks; no torch.distributed needed. Loss: :func:`lm_loss`. With
+    ``tie_embeddings`` the last layer is a :class:`TiedLMHead` sharing the first layer's module.
     """
     seeds = layer_seeds(config, seed)
-    layers: list[nn.Module] = [Embedding(config, init_seed=seeds["embedding"])]
+    if tie_embeddings:
+        token = TokenEmbedding(config, init_seed=seeds["embedding"])
+        layers: list[nn.Module] = [token, PositionEmbedding(config, init_seed=seeds["embedding"])]
+    else:
+        layers = [Embedding(config, init_seed=seeds["embedding"])]
     for i, block_seed in enumerate(seeds["blocks"]):
         layers.append(Block(config, layer_idx=i, init_seed=block_seed))
         if device_time > 0:
             layers.append(EmulatedDeviceTime(device_time))
-    layers += [FinalNorm(config), LMHead(config, init_seed=seeds["head"])]
+    layers.append(FinalNorm(config))
+    layers.append(TiedLMHead(token) if tie_embeddings else LMHead(config, init_seed=seeds["head"]))
     return nn.Sequential(*layers)

@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, help="validate every this many steps (0: only at start and end)")
     p.add_argument("--eval-batches", type=int, help="eval_batch calls of M micro-batches per validation")
     p.add_argument("--lr", type=float)
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="tie the LM head to the token embedding (first and last stage)")
     p.add_argument("--target-loss", type=float,
                    help=f"validation loss to time (default: {TARGET_LOSS_FACTOR} x stock's final validation loss)")
     p.add_argument("--trace", action=argparse.BooleanOptionalAction, default=None,

@@ -18,7 +18,8 @@ class BenchConfig:
     """One benchmark configuration: model, data, pipeline shape and the run schedule.
 
     ``device_time`` > 0 only in ``emulated`` mode (seconds of emulated device time per
-    block in forward; backward waits twice as long).
+    block in forward; backward waits twice as long). ``tie_embeddings`` ties the LM head to
+    the token embedding (first and last stage; PACI exchanges their gradients, stock all-reduces them).
     """
 
     name: str
@@ -39,6 +40,7 @@ class BenchConfig:
     seed: int = 1234
     data_seed: int = 7
     tokenizer: str = "byte"
+    tie_embeddings: bool = False
 
     @property
     def emulated(self) -> bool:
@@ -54,7 +56,7 @@ class BenchConfig:
 
     def label(self) -> str:
         """Human-readable name; emulated configurations always say "emulated"."""
-        shape = f"P={self.stages} M={self.micro_batches}"
+        shape = f"P={self.stages} M={self.micro_batches}" + (", tied embeddings" if self.tie_embeddings else "")
         if self.emulated:
             return f"emulated {shape} (f={self.device_time * 1000:g} ms/block)"
         return f"real {shape}"
@@ -101,7 +103,8 @@ def mode_defaults(mode: str, stages: int | None = None) -> dict:
 
 def config_name(cfg_fields: dict) -> str:
     """File-name stem of a configuration, e.g. ``emulated_P8_M8``."""
-    return f"{cfg_fields['mode']}_P{cfg_fields['stages']}_M{cfg_fields['micro_batches']}"
+    tied = "_tied" if cfg_fields.get("tie_embeddings") else ""
+    return f"{cfg_fields['mode']}_P{cfg_fields['stages']}_M{cfg_fields['micro_batches']}{tied}"
 
 
 def make_config(mode: str, **overrides) -> BenchConfig:
@@ -148,7 +151,7 @@ def presets() -> dict[str, Preset]:
 
 
 OVERRIDABLE_FIELDS = ("stages", "micro_batches", "micro_batch_size", "seq_len", "n_embd", "n_layer", "steps", "warmup",
-              "device_time", "eval_every", "eval_batches", "lr")
+              "device_time", "eval_every", "eval_batches", "lr", "tie_embeddings")
 
 
 def override_config(cfg: BenchConfig, overrides: dict) -> BenchConfig:

@@ -43,7 +43,8 @@ def build_engine(cfg: BenchConfig, engine: str, trace: bool):
     from ds_paci.workload.gpt2 import gpt2_config, gpt2_pipeline
     model_cfg = gpt2_config("tiny", vocab_size=257, n_positions=cfg.seq_len, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
                             n_head=cfg.n_head)
-    model = gpt2_pipeline(model_cfg, num_stages=cfg.stages, seed=cfg.seed, device_time=cfg.device_time)
+    model = gpt2_pipeline(model_cfg, num_stages=cfg.stages, seed=cfg.seed, device_time=cfg.device_time,
+                          tie_embeddings=cfg.tie_embeddings)
     result, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(),
                                     config=ds_config(cfg, engine, trace))
     return result

@@ -1,0 +1,159 @@
+"""When may a tied-weight owner wait for its peers' window gradients? Pure timing over PACI streams.
+
+A ``TiedLayerSpec`` whose copies live on several stages (GPT-2's embedding and LM head on the
+first and last stage) needs the owners to apply the same total gradient. PACI's policy
+(:mod:`ds_paci.core.tied`): at its local step producing window ``k`` of a segment, every owner
+posts its window-``k`` tied gradient to the other owners (non-blocking) and applies the sum, over
+all owners, of window ``k - L``. This module answers which lag ``L`` makes that wait free: the
+peers' window-``k - L`` gradients must already have been *posted* when an owner reaches its
+step ``k``, guaranteed by the pipeline's own data dependencies, so waiting for them is transport
+latency only, never a wait on another stage (with blocking rendezvous point-to-point transfers, a
+wait on another stage can deadlock).
+
+The rule (:func:`tied_lag`), from the stream timing (stage ``s`` of ``P``: forward of ``m`` at
+tick ``2m + s``, backward at ``2m + 2P - s - 1``; window ``k`` closes after the backward of
+``ka - 1``, so owner ``s`` posts at tick ``2ka + 2P - s - 3``):
+
+* An earlier owner ``i`` waiting for a later owner ``j > i``: ``j``'s step ``k - L`` follows its
+  backward of ``(k - L)a - 1``, whose input gradient flows back to ``i`` before ``i``'s own
+  backward of that micro-batch and hence before ``i``'s step ``k - L <= k``. Any ``L >= 0`` is
+  safe.
+* A later owner ``j`` waiting for an earlier owner ``i < j``: the first message that leaves ``i``
+  after its step ``k - L`` is the activation of micro-batch ``m' = (k - L)a + P - i - 1`` (the
+  next forward); it reaches ``j`` at ``j``'s forward of ``m'`` (tick ``2m' + j``). That precedes
+  ``j``'s step ``k`` iff ``La >= j - i + 1``. In a drain, ``m'`` exists only if it is below the
+  number ``n`` of micro-batches started; step ``k`` is not the segment's last as soon as
+  ``n >= ka + 1``, so the guarantee holds for every ``n`` iff ``m' <= ka``, i.e. ``La >= P - i - 1``.
+
+Hence, with ``i`` the first and ``j`` the last owner stage, the same lag for all owners (they
+must apply the same total)::
+
+    L = ceil(max(j - i + 1, P - i - 1) / a)
+
+GPT-2 tied on the first and last stage: ``L = ceil(P / a)``, so ``L = 1`` whenever ``a >= P``
+(the default ``a = M = 4`` on 2 or 4 stages); ``a = P - 1`` needs ``L = 2``; ``a = 1`` on 4
+stages needs ``L = 4``. The segment's last step of every owner is not covered: the engine runs
+it after the drain's last tick, where every owner posts before it waits.
+
+:func:`tied_wait_violations` checks a lag against actual streams by executing them with vector
+clocks (only send -> receive edges count, so the result holds for buffered and rendezvous
+transports alike); the tests run it over a grid of ``P``, ``a``, ``M``, calls and owner sets and
+find the formula exact (``L - 1`` fails). Pure Python: no process group, no tensor.
+"""
+
+import math
+
+from deepspeed.runtime.pipe.schedule import RecvActivation, RecvGrad, SendActivation, SendGrad
+
+from .schedule import LocalStep
+
+__all__ = ["tied_lag", "tied_wait_violations", "minimal_tied_lag"]
+
+
+def tied_lag(stages, owner_stages, window):
+    """Windows ``L`` by which the tied gradients lag (0 when fewer than two stages own the weights)."""
+    owners = sorted(set(owner_stages))
+    if len(owners) < 2:
+        return 0
+    if owners[0] < 0 or owners[-1] >= stages:
+        raise ValueError(f"owner stages {owners} outside 0..{stages - 1}")
+    if window < 1:
+        raise ValueError(f"accumulation window must be >= 1, got {window}")
+    first, last = owners[0], owners[-1]
+    return math.ceil(max(last - first + 1, stages - first - 1) / window)
+
+
+def _execute(segments):
+    """Vector clocks of every LocalStep: ``{(stage, segment, window): clock}``, plus final windows per segment."""
+    P = len(segments)
+    flat = []
+    for s in range(P):
+        ops = []
+        for g, seg in enumerate(segments[s]):
+            for tick in seg:
+                for ins in tick:
+                    ops.append((g, ins))
+        flat.append(ops)
+    pos = [0] * P
+    clock = [[0] * P for _ in range(P)]
+    act = [[] for _ in range(P)]  # act[s]: messages s -> s+1
+    grad = [[] for _ in range(P)]  # grad[s]: messages s+1 -> s
+    act_read = [0] * P
+    grad_read = [0] * P
+    steps = {}
+    window = [dict() for _ in range(P)]  # stage -> {segment: windows so far}
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(P):
+            while pos[s] < len(flat[s]):
+                g, ins = flat[s][pos[s]]
+                vc = clock[s]
+                if isinstance(ins, RecvActivation):
+                    q = act[s - 1]
+                    if act_read[s] >= len(q):
+                        break
+                    msg = q[act_read[s]]
+                    act_read[s] += 1
+                    clock[s] = vc = [max(x, y) for x, y in zip(vc, msg)]
+                elif isinstance(ins, RecvGrad):
+                    q = grad[s]
+                    if grad_read[s] >= len(q):
+                        break
+                    msg = q[grad_read[s]]
+                    grad_read[s] += 1
+                    clock[s] = vc = [max(x, y) for x, y in zip(vc, msg)]
+                vc[s] += 1
+                if isinstance(ins, SendActivation):
+                    act[s].append(list(vc))
+                elif isinstance(ins, SendGrad):
+                    grad[s - 1].append(list(vc))
+                elif isinstance(ins, LocalStep):
+                    k = window[s].get(g, 0) + 1
+                    window[s][g] = k
+                    steps[(s, g, k)] = list(vc)
+                pos[s] += 1
+                progressed = True
+    stuck = [s for s in range(P) if pos[s] < len(flat[s])]
+    if stuck:
+        raise ValueError(f"streams deadlock (stages {stuck} wait for messages that are never sent)")
+    return steps, window
+
+
+def tied_wait_violations(segments, owner_stages, lag, last_segment_drained=True):
+    """Waits of the tied exchange that the streams do not make free; empty when ``lag`` is safe.
+
+    ``segments[s]`` is stage ``s``'s list of segments (the ticks between two drains, as
+    :meth:`PACIStream.advance` and :meth:`PACIStream.drain` return them). For every owner and
+    every step ``k`` of a segment with ``k - lag >= 1`` (except the last step of a drained
+    segment, which runs after the drain) each peer's step ``k - lag`` must happen before it.
+    """
+    steps, windows = _execute(segments)
+    owners = sorted(set(owner_stages))
+    out = []
+    n_segments = max(len(seg) for seg in segments)
+    for g in range(n_segments):
+        counts = {o: windows[o].get(g, 0) for o in owners}
+        if len(set(counts.values())) > 1:
+            out.append(f"segment {g}: owners took different numbers of steps {counts}")
+            continue
+        total = counts[owners[0]] if owners else 0
+        drained = g < n_segments - 1 or last_segment_drained
+        for o in owners:
+            for k in range(1, total + 1):
+                if k - lag < 1 or (drained and k == total):
+                    continue
+                mine = steps[(o, g, k)]
+                for q in owners:
+                    if q != o and steps[(q, g, k - lag)][q] > mine[q]:
+                        out.append(f"segment {g}: stage {o} at its step {k} would wait for stage {q}'s window "
+                                   f"{k - lag}, which the streams do not guarantee has been posted")
+    return out
+
+
+def minimal_tied_lag(segments, owner_stages, last_segment_drained=True):
+    """The smallest lag with no violation on these streams (at most one more than the number of steps)."""
+    lag = 0
+    while tied_wait_violations(segments, owner_stages, lag, last_segment_drained):
+        lag += 1
+    return lag
