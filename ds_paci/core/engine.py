@@ -41,6 +41,7 @@ from deepspeed.utils import logger
 from .config import parse_paci_section
 from .feed import MicroBatchFeed
 from .local_step import clip_stage_gradients, make_stage_local
+from .lookahead import make_lookahead
 from .monitor import LastStageMonitor
 from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
 from .telemetry import StageTelemetry
@@ -66,9 +67,10 @@ class PACIPipelineEngine(PipelineEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.paci = parse_paci_section(self._config._param_dict.get("paci"))
-        self._stream = PACIStream(self.num_stages, self.stage_id, self.paci.window(self.micro_batches))
+        self._stream = PACIStream(self.num_stages, self.stage_id, self.paci.window(self.micro_batches, self.num_stages))
         self._reserve_pipe_buffers(self._stream.nbuf)
         self._aliases = make_stage_local(self)
+        self._lookahead = make_lookahead(self, self.paci.lookahead, self.paci.lookahead_restore)
         self.telemetry = StageTelemetry(rank=self.global_rank,
                                         stage=self.stage_id,
                                         stages=self.num_stages,
@@ -85,6 +87,7 @@ class PACIPipelineEngine(PipelineEngine):
         if self.global_rank == self.grid.stage_to_global(self.num_stages - 1):
             logger.info(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
                         f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
+                        f"lookahead={self._lookahead is not None}, "
                         f"gradient_clipping={self.gradient_clipping()} (stage-local)")
 
     # -- public API -----------------------------------------------------------------
@@ -161,10 +164,11 @@ class PACIPipelineEngine(PipelineEngine):
         """Drain, change the number of micro-batches; a defaulted window follows the new ``gradient_accumulation_steps``."""
         self.drain()
         super().set_train_batch_size(train_batch_size)
-        if self.paci.accumulation_window is None:
-            self._stream.window = self.micro_batches
-            self.telemetry.window = self.micro_batches
-            self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, self.micro_batches)
+        if self.paci.accumulation_window in (None, "auto"):
+            window = self.paci.window(self.micro_batches, self.num_stages)
+            self._stream.window = window
+            self.telemetry.window = window
+            self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window)
 
     def reset_activation_shape(self):
         if hasattr(self, "_stream") and not self.is_drained:
@@ -183,7 +187,8 @@ class PACIPipelineEngine(PipelineEngine):
         stats.update(in_flight=self._stream.in_flight(),
                      ticks=self._stream.ticks_emitted,
                      next_micro_batch=self._stream.next_micro_batch(),
-                     train_batch_calls=self._calls)
+                     train_batch_calls=self._calls,
+                     lookahead=self._lookahead.stats() if self._lookahead is not None else {"enabled": False})
         return stats
 
     def paci_trace(self):
@@ -241,7 +246,12 @@ class PACIPipelineEngine(PipelineEngine):
 
     def _exec_paci_forward(self, cmd):
         self.telemetry.forward(cmd.buffer_id)
-        PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
+        if self._lookahead is not None and cmd.crosses_step:
+            # this micro-batch's backward comes after the next local step: forward on the predicted next weights
+            with self._lookahead.applied(cmd.window_fill, self._stream.window):
+                PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
+        else:
+            PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
 
     def _exec_paci_backward(self, cmd):
         if self.is_last_stage() and self._stream.window != self.micro_batches:
@@ -253,6 +263,8 @@ class PACIPipelineEngine(PipelineEngine):
         self.telemetry.accumulate(cmd.buffer_id, cmd.micro_batch_id)
 
     def _exec_local_step(self, cmd):
+        if self._lookahead is not None:
+            self._lookahead.before_step()
         self._exec_reduce_grads()  # DP group of this stage only
         if self._aliases is not None:
             self._aliases.bind_grads()
@@ -260,6 +272,8 @@ class PACIPipelineEngine(PipelineEngine):
         if self._aliases is not None:
             self._aliases.release_grads()
         self.telemetry.stepped()
+        if self._lookahead is not None:
+            self._lookahead.after_step()
 
     def clip_fp32_gradients(self):
         clip_stage_gradients(self, self.gradient_clipping())
