@@ -61,6 +61,9 @@ def test_main_job_trains_end_to_end(tmp_path, config):
         assert "weight drift" in out
         drift = summary["drift_per_stage"]
         assert max(int(d) for d in drift[next(iter(drift))]) <= 1
+        # the default job runs the look-ahead: stage 0 predicts one crossing forward per step except the first after each drain (steps 1 and 9)
+        assert "PACI (a=4) + look-ahead" in out and "look-ahead       stage 0: 14 predicted forwards" in out
+        assert summary["lookahead_per_stage"]["0"]["predicted_forwards"] == 14
     # DeepSpeed's CSV monitor receives the training loss (from the last stage under PACI)
     loss_csv = tmp_path / "csv" / "job" / "Train_Samples_train_loss.csv"
     rows = loss_csv.read_text().splitlines()

@@ -22,9 +22,14 @@ Contract (see also ``docs``/README):
 * Backward passes of micro-batches that cross a local step use the *current*
   weights (PACI "perf" semantics) on stock PyTorch: optimizers step through
   ``.data`` (see :mod:`ds_paci.core.local_step`), so autograd's version check never fires.
+* Look-ahead (``paci.lookahead``, on by default; :mod:`ds_paci.core.lookahead`): the
+  forward of a micro-batch whose backward comes after the stage's next local step (the
+  stream tags it, ``crosses_step``) runs on a prediction of the next weights (Adam/AdamW),
+  which are restored before the next instruction, whatever happens. Every other forward,
+  every backward, eval and checkpoints see the real weights.
 * Gradient clipping (``gradient_clipping > 0``) is stage-local: each stage clips by
   the norm of its own gradients. The PACI default is no clipping.
-* Telemetry: :meth:`paci_stats` (version, local steps, drift histogram),
+* Telemetry: :meth:`paci_stats` (version, local steps, drift histogram, look-ahead),
   :meth:`paci_trace` / :meth:`write_trace` (per-instruction times when
   ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
 """
