@@ -194,7 +194,7 @@ def test_crossing_forwards_see_predicted_weights_everything_else_sees_real_weigh
                 for k in x["seen"]:
                     assert (x["seen"][k] - x["reference"][k]).abs().max() <= tol, k
                     assert (x["seen"][k] - x["real"][k]).abs().max() > 100 * tol, "the prediction moved nothing"
-            assert r["stats"]["lookahead"]["error_windows"] >= calls - 2
+            assert r["stats"]["lookahead"]["error_windows"] == 1  # one window in 8 is measured: the first
             assert 0 <= r["stats"]["lookahead"]["prediction_error"] < 1.0
         else:
             assert r["expected_crossings"] == 0 and not crossing

@@ -80,8 +80,9 @@ windows of the relative prediction error, see below), ``error_windows``, and
 each of its ``J`` crossing forwards with the real next weights:
 ``sqrt(mean_j ||theta_pred_j - theta_next||^2) / ||theta_next - theta||``, where 0 is a
 perfect prediction and 1 is what running the forward on the old weights amounts to. It is
-computed on every ``ERROR_STRIDE``-th element of the stage's master weights (a 1/32
-sample of coordinates), so it costs 2/32 of a weight copy and a few strided passes.
+measured on one window in ``ERROR_EVERY`` (8), on every ``ERROR_STRIDE``-th element of the
+stage's master weights (a 1/32 sample of coordinates): 2/32 of a weight copy while such a
+window is open and a few strided passes.
 """
 
 import math
@@ -94,10 +95,12 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import logger
 
-__all__ = ["AdamRule", "LookAhead", "make_lookahead", "adam_update", "RESTORE_MODES"]
+__all__ = ["AdamRule", "LookAhead", "make_lookahead", "adam_update", "adam_moments", "RESTORE_MODES"]
 
-CHUNK = 1 << 20  # elements processed at a time: bounds the temporaries to a few CHUNK-sized tensors
+CHUNK = 1 << 20  # tensors are cut into chunks of at most this many elements
+BATCH = 1 << 22  # elements predicted by one round of multi-tensor ops: bounds the temporaries
 ERROR_STRIDE = 32  # the prediction error is measured on every ERROR_STRIDE-th element (CHUNK is a multiple)
+ERROR_EVERY = 8  # ... of one window in ERROR_EVERY (the first, the ninth, ...)
 RESTORE_MODES = ("recompute", "copy")
 
 
@@ -150,44 +153,66 @@ def _scalar(x):
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
-def adam_update(rule, t, theta, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, grad_scale=1.0):
-    """``u`` such that the optimizer's next step gives ``theta * rule.decay - u`` (see the module docstring).
+def adam_moments(rule, t, thetas, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, grad_scale=1.0):
+    """The next Adam/AdamW step of a list of tensors as ``(m, d, step)``: the optimizer's next weights are
+    ``theta * rule.decay - step * m / d`` (``m``: the next first moment, ``d``: its denominator).
 
-    ``t``: steps taken so far; ``grad``: the accumulated window gradient (``None``: use
-    the first moment); ``grad_scale``: ``a / n``; ``exp_avg``/``exp_avg_sq``: the moments
-    (``None`` before the first step). All tensors have the same shape; none is modified.
-    Returns ``None`` when there is nothing to predict from.
+    Lists of same-shaped tensors, all of one param group with step count ``t`` (steps
+    taken so far). ``grads``: the accumulated window gradients (``None``: estimate the
+    gradient by the bias-corrected first moment); ``grad_scale``: ``a / n``;
+    ``exp_avgs``/``exp_avg_sqs``: the moments (``None`` before the first step). Nothing
+    passed in is modified. Multi-tensor (``torch._foreach_*``) ops, six passes over the
+    weights' size (eight with L2 decay). Returns ``None`` when there is nothing to predict from.
+
+    ``u = step * m / d`` equals ``lr / (1 - b1^(t+1)) * m / (sqrt(v / (1 - b2^(t+1))) + eps)``:
+    with ``c = sqrt(1 - b2^(t+1))``, ``d = sqrt(v) + eps * c`` and ``step = lr * c / (1 - b1^(t+1))``.
     """
     b1, b2 = rule.beta1, rule.beta2
-    if grad is None:
-        if exp_avg is None or t < 1:
+    if grads is None:
+        if exp_avgs is None or t < 1:
             return None
-        g = exp_avg / (1.0 - b1**t) if rule.bias_correction else exp_avg.clone()
+        g, scale = exp_avgs, (1.0 / (1.0 - b1**t) if rule.bias_correction else 1.0)
     else:
-        g = grad.float() * grad_scale if grad_scale != 1.0 or grad.dtype != torch.float32 else grad
-        if rule.maximize:
-            g = -g
+        g = [x if x.dtype == torch.float32 else x.float() for x in grads]
+        scale = -grad_scale if rule.maximize else grad_scale
         if rule.l2:
-            g = g.add(theta, alpha=rule.weight_decay)
-    if exp_avg is None:
-        m = g * (1.0 - b1)
-        v = (g * g).mul_(1.0 - b2)
+            g = torch._foreach_mul(g, scale)
+            torch._foreach_add_(g, thetas, alpha=rule.weight_decay)
+            scale = 1.0
+    if exp_avgs is None:
+        m = torch._foreach_mul(g, (1.0 - b1) * scale)
+        v = torch._foreach_mul(g, g)
+        torch._foreach_mul_(v, (1.0 - b2) * scale * scale)
     else:
-        m = torch.lerp(exp_avg, g, 1.0 - b1)
-        v = exp_avg_sq.mul(b2).addcmul_(g, g, value=1.0 - b2)
-    if rule.amsgrad and max_exp_avg_sq is not None:
-        v = torch.maximum(max_exp_avg_sq, v)
+        m = torch._foreach_mul(exp_avgs, b1)
+        torch._foreach_add_(m, g, alpha=(1.0 - b1) * scale)
+        v = torch._foreach_mul(exp_avg_sqs, b2)
+        torch._foreach_addcmul_(v, g, g, value=(1.0 - b2) * scale * scale)
+    if rule.amsgrad and max_exp_avg_sqs is not None:
+        v = torch._foreach_maximum(max_exp_avg_sqs, v)
     bc1 = 1.0 - b1**(t + 1) if rule.bias_correction else 1.0
-    bc2 = 1.0 - b2**(t + 1) if rule.bias_correction else 1.0
-    denom = v.sqrt_().div_(math.sqrt(bc2)).add_(rule.eps)
-    return m.div_(denom).mul_(rule.lr / bc1)
+    c = math.sqrt(1.0 - b2**(t + 1)) if rule.bias_correction else 1.0
+    torch._foreach_sqrt_(v)
+    torch._foreach_add_(v, rule.eps * c)
+    return m, v, rule.lr * c / bc1
+
+
+def adam_update(rule, t, theta, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, grad_scale=1.0):
+    """``u`` with next weights ``theta * rule.decay - u`` for one tensor (see :func:`adam_moments`), or ``None``."""
+
+    def one(x):
+        return None if x is None else [x]
+
+    out = adam_moments(rule, t, [theta], one(grad), one(exp_avg), one(exp_avg_sq), one(max_exp_avg_sq), grad_scale)
+    if out is None:
+        return None
+    (m, ), (d, ), step = out
+    return m.div_(d).mul_(step)
 
 
 def _chunks(tensor, size=CHUNK):
-    """Flat chunk views of a contiguous tensor; a non-contiguous tensor is one chunk (itself)."""
-    if tensor is None:
-        return None
-    if not tensor.is_contiguous():
+    """Flat chunk views of a large contiguous tensor; a small or non-contiguous tensor is one chunk (itself)."""
+    if tensor.numel() <= size or not tensor.is_contiguous():
         return [tensor]
     flat = tensor.view(-1)
     return [flat.narrow(0, s, min(size, flat.numel() - s)) for s in range(0, flat.numel(), size)]
@@ -248,7 +273,8 @@ class LookAhead:
         self.seconds = 0.0
         self.error_sum = 0.0
         self.error_windows = 0
-        self._crossings = 0  # crossing forwards predicted in the open window (error telemetry)
+        self._window = 0  # local steps seen: the index of the open window
+        self._crossings = 0  # crossing forwards predicted in the open window, if it is sampled (error telemetry)
         self._sq_sum = 0.0
         self._before = None
         self.active = False  # True only while a crossing forward runs on predicted weights
@@ -274,70 +300,133 @@ class LookAhead:
                 self.active = False
                 self.seconds += time.perf_counter() - began
         self.predicted_forwards += 1
-        self._crossings += 1
+        if self._sampled:
+            self._crossings += 1
 
-    def _updates(self, slot, scale, steps):
-        """Per chunk of ``slot``: ``(rule, theta chunk, u or None, target chunk or None, offset)``."""
-        rule = slot.rule()
-        t, m, v, vmax = slot.state(steps)
-        grad = slot.grad() if scale is not None else None
-        thetas = _chunks(slot.master)
-        none = [None] * len(thetas)
-        grads, ms, vs, vmaxs, targets = (none if x is None else _chunks(x) for x in (grad, m, v, vmax, slot.target))
-        offset = 0
-        for theta, g, mc, vc, xc, target in zip(thetas, grads, ms, vs, vmaxs, targets):
-            u = adam_update(rule, t, theta, g, mc, vc, xc, scale or 1.0)
-            if u is not None and not bool(torch.isfinite(u).all()):
-                self.nonfinite_chunks += 1
-                u = None
-            yield rule, theta, u, target, offset
-            offset += theta.numel()
+    @property
+    def _sampled(self):
+        """Whether the open window's prediction error is measured (one window in :data:`ERROR_EVERY`)."""
+        return self._window % ERROR_EVERY == 0
+
+    def _batches(self, scale):
+        """The prediction, batch by batch: ``(rule, items, (m, d, step))`` with ``items`` ``[(slot, offset, theta chunk,
+        target chunk or None), ...]`` and their next step (:func:`adam_moments`; non-finite ones dropped, counted).
+
+        Chunks of the slots are grouped by param group, step count and what is known (state,
+        gradient), and cut into batches of at most :data:`BATCH` elements, so temporaries
+        stay bounded. Deterministic: the same inputs give the same batches and updates.
+        """
+        groups, steps, rules = {}, {}, {}
+        for slot in self.slots:
+            t, m, v, vmax = slot.state(steps)
+            grad = slot.grad() if scale is not None else None
+            if grad is None and m is None:
+                continue  # nothing to predict from
+            key = (id(slot.group), t, m is not None, grad is not None, vmax is not None, slot.target is None)
+            if key not in groups:
+                if id(slot.group) not in rules:
+                    rules[id(slot.group)] = slot.rule()
+                groups[key] = (rules[id(slot.group)], t, [])
+            thetas = _chunks(slot.master)
+            none = [None] * len(thetas)
+            parts = [none if x is None else _chunks(x) for x in (grad, m, v, vmax, slot.target)]
+            offset = 0
+            for theta, *rest in zip(thetas, *parts):
+                groups[key][2].append((slot, offset, theta, *rest))
+                offset += theta.numel()
+        for rule, t, chunks in groups.values():
+            batch, size = [], 0
+            for chunk in chunks:
+                if batch and size + chunk[2].numel() > BATCH:
+                    yield self._predict(rule, t, batch, scale)
+                    batch, size = [], 0
+                batch.append(chunk)
+                size += chunk[2].numel()
+            if batch:
+                yield self._predict(rule, t, batch, scale)
+
+    def _predict(self, rule, t, batch, scale):
+        """One batch: ``(rule, items, (m, d, step))`` (see :meth:`_batches` and :func:`adam_moments`)."""
+
+        def column(i):
+            values = [c[i] for c in batch]
+            return None if values[0] is None else values
+
+        grads = column(3) if scale is not None else None
+        m, d, step = adam_moments(rule, t, column(2), grads, column(4), column(5), column(6), scale or 1.0)
+        items = [(c[0], c[1], c[2], c[7]) for c in batch]
+        # A finite gradient (and state) gives a finite update; check the gradient (or the moment standing in for it).
+        finite = torch.isfinite(torch.stack(torch._foreach_norm(grads if grads is not None else column(4))))
+        if not bool(finite.all()):
+            keep = finite.tolist()
+            self.nonfinite_chunks += keep.count(False)
+            items = [x for x, k in zip(items, keep) if k]
+            m = [x for x, k in zip(m, keep) if k]
+            d = [x for x, k in zip(d, keep) if k]
+        return rule, items, (m, d, step)
+
+    def _recomputes(self, rule, items):
+        return items[0][3] is None and not (self.restore == "copy" or rule.l2)
 
     @torch.no_grad()
     def _apply(self, scale, undo):
-        steps = {}
-        for slot in self.slots:
-            for rule, theta, u, target, offset in self._updates(slot, scale, steps):
-                if u is None:
-                    continue
-                self._sample_delta(slot, theta, u, rule.decay, offset)
-                if target is not None:  # low-precision weights the forward reads; the master stays real
-                    target.copy_(theta.mul(rule.decay).sub_(u))
-                    undo.append(("master", theta, target))
-                    continue
-                if self.restore == "copy" or rule.l2:
-                    undo.append(("copy", theta, theta.clone()))
-                else:
-                    undo.append(("recompute", slot, offset))
-                theta.mul_(rule.decay).sub_(u)
+        for rule, items, (m, d, step) in self._batches(scale):
+            if not items:
+                continue
+            thetas = [x[2] for x in items]
+            if self._sampled:
+                self._sample(rule, items, m, d, step)
+            if items[0][3] is not None:  # low-precision weights the forward reads; the masters stay real
+                pred = torch._foreach_mul(thetas, rule.decay)
+                torch._foreach_addcdiv_(pred, m, d, -step)
+                targets = [x[3] for x in items]
+                torch._foreach_copy_(targets, pred)
+                undo.append(("master", thetas, targets))
+                continue
+            if self._recomputes(rule, items):
+                undo.append(("recompute", thetas, None))
+            else:
+                undo.append(("copy", thetas, [x.clone() for x in thetas]))
+            if rule.decay != 1.0:
+                torch._foreach_mul_(thetas, rule.decay)
+            torch._foreach_addcdiv_(thetas, m, d, -step)
 
     @torch.no_grad()
     def _restore(self, scale, undo):
-        recompute = {}
-        for how, a, b in undo:
+        recompute = False
+        for how, thetas, other in undo:
             if how == "master":
-                b.copy_(a)  # the real master, rounded to the forward's precision as DeepSpeed keeps it
+                torch._foreach_copy_(other, thetas)  # the real master, rounded as DeepSpeed keeps the weights
             elif how == "copy":
-                a.copy_(b)
+                torch._foreach_copy_(thetas, other)
             else:
-                recompute.setdefault(id(a), (a, set()))[1].add(b)
-        steps = {}
-        for slot, offsets in recompute.values():
-            # The same inputs (moments, step, lr, window gradient) give the same u: undo theta * decay - u.
-            for rule, theta, u, _, offset in self._updates(slot, scale, steps):
-                if u is not None and offset in offsets:
-                    theta.add_(u)
-                    if rule.decay != 1.0:
-                        theta.div_(rule.decay)
+                recompute = True
+        if not recompute:
+            return
+        # The same inputs (moments, step, lr, window gradient) give the same batches and update: undo it.
+        for rule, items, (m, d, step) in self._batches(scale):
+            if items and self._recomputes(rule, items):
+                thetas = [x[2] for x in items]
+                torch._foreach_addcdiv_(thetas, m, d, step)
+                if rule.decay != 1.0:
+                    torch._foreach_div_(thetas, rule.decay)
 
     # -- error telemetry ------------------------------------------------------------
-    def _sample_delta(self, slot, theta, u, decay, offset):
+    def _sample(self, rule, items, m, d, step):
+        """Add this forward's predicted deltas on the sampled coordinates to each slot's running sum."""
         stride = ERROR_STRIDE
-        delta = _flat(theta)[::stride].mul(decay - 1.0).sub_(_flat(u)[::stride])
-        if slot.sample is None:
-            slot.sample = torch.zeros(-(-slot.master.numel() // stride), dtype=torch.float32, device=theta.device)
-        slot.sample.narrow(0, offset // stride, delta.numel()).add_(delta.float())
-        self._sq_sum += float(delta.float().pow(2).sum())
+        delta = torch._foreach_div([_flat(x)[::stride] for x in m], [_flat(x)[::stride] for x in d])
+        torch._foreach_mul_(delta, -step)
+        if rule.decay != 1.0:
+            torch._foreach_add_(delta, [_flat(x[2])[::stride] for x in items], alpha=rule.decay - 1.0)
+        sums = []
+        for (slot, offset, theta, _), x in zip(items, delta):
+            if slot.sample is None:
+                slot.sample = torch.zeros(-(-slot.master.numel() // stride), dtype=torch.float32,
+                                          device=theta.device)
+            sums.append(slot.sample.narrow(0, offset // stride, x.numel()))
+        torch._foreach_add_(sums, delta)
+        self._sq_sum += float(torch.stack(torch._foreach_norm(delta)).pow(2).sum())
 
     @torch.no_grad()
     def before_step(self):
@@ -349,7 +438,7 @@ class LookAhead:
     def after_step(self):
         """After a local step: fold the window's prediction error into the running mean, start a new window."""
         if self._before is not None:
-            actual_sq = cross = pred_sum = 0.0
+            actual_sq = cross = 0.0
             for slot, before in zip(self.slots, self._before):
                 actual = _flat(slot.master)[::ERROR_STRIDE].float() - before  # never in place: a view of the weights
                 actual_sq += float(actual.pow(2).sum())
@@ -363,6 +452,7 @@ class LookAhead:
         self._before = None
         self._crossings = 0
         self._sq_sum = 0.0
+        self._window += 1
         for slot in self.slots:
             slot.sample = None
 
@@ -371,14 +461,12 @@ class LookAhead:
     def predict_next(self, window_fill, window):
         """The predicted next master weights (new tensors, one per slot); nothing is changed."""
         scale = None if window_fill <= 0 else window / window_fill
-        out, steps = [], {}
-        for slot in self.slots:
-            pred = slot.master.detach().clone()
-            for rule, theta, u, _, offset in self._updates(slot, scale, steps):
-                if u is not None:
-                    _flat(pred).narrow(0, offset, theta.numel()).copy_(_flat(theta.mul(rule.decay).sub_(u)))
-            out.append(pred)
-        return out
+        out = {id(slot): slot.master.detach().clone() for slot in self.slots}
+        for rule, items, (m, d, step) in self._batches(scale):
+            for (slot, offset, theta, _), mc, dc in zip(items, m, d):
+                pred = theta.mul(rule.decay).addcdiv_(mc, dc, value=-step)
+                _flat(out[id(slot)]).narrow(0, offset, theta.numel()).copy_(_flat(pred))
+        return [out[id(slot)] for slot in self.slots]
 
     def masters(self):
         """The tensors the optimizer steps, in slot order (the real weights)."""
@@ -392,6 +480,7 @@ class LookAhead:
             "predicted_forwards": self.predicted_forwards,
             "prediction_error": self.error_sum / self.error_windows if self.error_windows else None,
             "error_windows": self.error_windows,
+            "error_every": ERROR_EVERY,
             "nonfinite_chunks": self.nonfinite_chunks,
             "seconds": self.seconds,
         }
