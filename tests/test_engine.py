@@ -56,6 +56,13 @@ def test_pipeline_with_data_parallel_replicas_and_zero1():
     for stage, (w1, w2) in by_stage.items():
         assert max_weight_diff(w1, w2) == 0.0, f"stage {stage}"
     assert all(math.isfinite(x) for x in last[0]["async"]["losses"] if x is not None)
+    # the look-ahead under ZeRO-1: each replica of stage 0 predicted its own partition, and only that
+    for r in results:
+        if r["async"]["stage"] == 0:
+            assert r["async"]["lookahead"]["predicted_forwards"] == 3 and len(r["async"]["predicted"]) == 3
+            assert all(changed and inside for changed, inside in r["async"]["predicted"]), r["async"]["predicted"]
+        else:
+            assert r["async"]["lookahead"]["predicted_forwards"] == 0
 
 
 # -- async mode: trains, drift within bound, no cross-stage collective ------------------------

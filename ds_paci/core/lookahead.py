@@ -8,13 +8,13 @@ backward is unchanged: it runs through the real ``v + 1``.
 
 Public contract
 ---------------
-* :func:`make_lookahead` ``(engine, config)`` returns a :class:`LookAhead` for engines
-  whose optimizer is supported, or ``None`` (look-ahead off, or an unsupported optimizer:
-  then one log line, from rank 0, says why).
+* :func:`make_lookahead` ``(engine, enabled, restore)`` returns a :class:`LookAhead` for
+  engines whose optimizer is supported, or ``None`` (look-ahead off, or an unsupported
+  optimizer: then one log line, from rank 0, says why).
 * :meth:`LookAhead.applied` ``(window_fill, window)``: context manager around one crossing
-  forward (``window_fill``: backward passes already in the open window of ``window``). On exit, normal or by exception, the weights are the real weights again.
-  Outside it they always are: eval, checkpoints, backward passes and every other forward
-  see real weights.
+  forward (``window_fill``: backward passes already in the open window of ``window``). On
+  exit, normal or by exception, the weights are the real weights again. Outside it they
+  always are: eval, checkpoints, backward passes and every other forward see real weights.
 * :meth:`LookAhead.before_step` / :meth:`LookAhead.after_step`: around each local
   optimizer step (prediction-error telemetry only; they never change weights).
 * :meth:`LookAhead.stats`: telemetry (see there).
@@ -69,7 +69,13 @@ Where the tensors live (no new communication anywhere)
 With data parallelism (every path), the gradient is the replica's own local sum over the
 window so far: each replica predicts from its own data; no reduce is added.
 
-Non-finite values: a chunk whose ``u`` is not finite is left unpredicted (and counted).
+Non-finite values: a tensor (or chunk) whose window gradient is not finite is left
+unpredicted (and counted in ``nonfinite_chunks``).
+
+Cost: the prediction takes six multi-tensor passes over the stage's weights plus one
+to apply it; the recompute restore as many again, the copy restore two. Tensors are
+processed in chunks and batches (:data:`CHUNK`, :data:`BATCH`) so that temporaries stay
+bounded.
 
 Telemetry (:meth:`stats`)
 -------------------------
