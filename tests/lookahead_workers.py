@@ -154,6 +154,7 @@ OPTIMIZER_CASES = {
     "torch.optim.AdamW": dict(client="adamw"),
     "DeepSpeed AdamW (torch_adam)": dict(configured={"torch_adam": True}),
     "DeepSpeed AdamW (FusedAdam)": dict(configured={}),
+    "DeepSpeed Adam, L2 decay (FusedAdam)": dict(configured={"adam_w_mode": False}, type="Adam"),
     "bf16 BF16_Optimizer": dict(configured={"torch_adam": True}, bf16=True),
     "bf16 ZeRO-1": dict(configured={"torch_adam": True}, bf16=True, zero=1),
     "ZeRO-1 fp32": dict(configured={"torch_adam": True}, zero=1),
@@ -172,7 +173,7 @@ def _engine_for(case, stages, gas):
         engine, *_ = ds_paci.initialize(model=model, optimizer=opt, config=cfg)
     else:
         cfg = ds_config(gas, paci, bf16=case.get("bf16", False), **extra)
-        cfg["optimizer"] = {"type": "AdamW",
+        cfg["optimizer"] = {"type": case.get("type", "AdamW"),
                             "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1, **case["configured"]}}
         # the predictor must use the learning rate the scheduler sets for the next step
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 2e-3, "warmup_max_lr": 1e-2,

@@ -217,14 +217,16 @@ def test_crossing_forwards_see_predicted_weights_everything_else_sees_real_weigh
 
 
 def test_predictor_given_the_complete_window_equals_the_next_step_for_every_optimizer_and_precision():
-    """torch.optim Adam/AdamW, DeepSpeed's configured AdamW (torch and FusedAdam) with a warm-up LR schedule, bf16
+    """torch.optim Adam/AdamW, DeepSpeed's configured AdamW (torch and FusedAdam) and Adam with L2 decay (FusedAdam)
+    with a warm-up LR schedule, bf16
     (BF16_Optimizer), ZeRO-1 in fp32 and bf16, on 2 stages with a = M = 2: before every local step the predictor
     with n = a equals the optimizer's step (<= 1e-6); after every crossing forward the weights are real again."""
     import lookahead_workers as lw
     names = list(lw.OPTIMIZER_CASES)
     results = run_world(lw.predictor_matches_step, 2, 2, 2, 4, names, timeout=400)
     expect_wrapper = {"bf16 BF16_Optimizer": "BF16_Optimizer", "bf16 ZeRO-1": "DeepSpeedZeroOptimizer",
-                      "ZeRO-1 fp32": "DeepSpeedZeroOptimizer", "DeepSpeed AdamW (FusedAdam)": "FusedAdam"}
+                      "ZeRO-1 fp32": "DeepSpeedZeroOptimizer", "DeepSpeed AdamW (FusedAdam)": "FusedAdam",
+                      "DeepSpeed Adam, L2 decay (FusedAdam)": "FusedAdam"}
     for stage, r in enumerate(results):
         for name in names:
             row = r[name]

@@ -113,7 +113,7 @@ def _watch_zero_partition(engine):
                 seen.append((changed.numel() > 0, bool(((changed >= start) & (changed < start + part.numel())).all())))
 
     la.applied = applied
-    next(iter(engine.module.children())).register_forward_pre_hook(check)
+    engine.module.register_forward_pre_hook(check)
     return seen
 
 

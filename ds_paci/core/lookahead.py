@@ -101,7 +101,8 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import logger
 
-__all__ = ["AdamRule", "LookAhead", "make_lookahead", "adam_update", "adam_moments", "RESTORE_MODES"]
+__all__ = ["AdamRule", "LookAhead", "make_lookahead", "lookahead_for_torch_optimizer", "adam_update", "adam_moments",
+           "RESTORE_MODES"]
 
 CHUNK = 1 << 20  # tensors are cut into chunks of at most this many elements
 BATCH = 1 << 22  # elements predicted by one round of multi-tensor ops: bounds the temporaries
@@ -524,6 +525,18 @@ def _torch_slots(optimizer, aliases):
                 return None, f"parameters in {alias.dtype} without DeepSpeed's bf16 optimizer"
             slots.append(_Slot(alias, optimizer, group, rule_of, grad=lambda p=p: p.grad))
     return slots, None
+
+
+def lookahead_for_torch_optimizer(optimizer, aliases, restore="recompute"):
+    """A :class:`LookAhead` over fp32 parameters stepped by ``optimizer`` through ``aliases``
+    (:class:`~ds_paci.core.local_step.ParamAliases`), or ``None`` if it is not Adam/AdamW.
+
+    For programs that run stage-local steps outside the engine (the single-process replay).
+    """
+    if _rule_of(optimizer) is None:
+        return None
+    slots, reason = _torch_slots(optimizer, aliases)
+    return None if reason else LookAhead(slots, restore, "torch")
 
 
 def _bf16_slots(opt):
