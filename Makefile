@@ -9,6 +9,7 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
 CONFIG ?= configs/paci.json
 TRAIN_ARGS ?=
+DS_ARGS ?=  # launcher options, e.g. DS_ARGS="--master_port 23456" when other jobs use the default port
 
 .PHONY: setup train train-flush test bench simulate clean
 
@@ -24,7 +25,7 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 train: $(STAMP)
-	$(VENV)/bin/deepspeed --num_gpus $(NPROC) launch/train.py --deepspeed_config $(CONFIG) $(TRAIN_ARGS)
+	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(DS_ARGS) launch/train.py --deepspeed_config $(CONFIG) $(TRAIN_ARGS)
 
 train-flush: CONFIG = configs/flush.json
 train-flush: train

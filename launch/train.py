@@ -298,7 +298,11 @@ def main(argv=None):
     config_name = os.path.splitext(os.path.basename(args.deepspeed_config))[0]
     reporter = Reporter(engine.is_last_stage() and dp_rank == 0,
                         args.metrics or os.path.join("runs", config_name, "metrics.jsonl"))
-    engine_name = f"PACI (a={engine.accumulation_window})" if is_paci else "stock 1F1B-flush"
+    engine_name = "stock 1F1B-flush"
+    if is_paci:
+        engine_name = f"PACI (a={engine.accumulation_window})"
+        if engine.paci_stats()["lookahead"]["enabled"]:
+            engine_name += " + look-ahead"
     reporter.say(f"ds_paci {ds_paci.__version__} | {engine_name} | {stages} stages x {dp} data-parallel | GPT-2 "
                  f"{args.model} ({model_cfg.n_layer} blocks x {model_cfg.n_embd}, vocab {model_cfg.vocab_size}, "
                  f"{'tied' if args.tie_embeddings else 'untied'} LM head) | "
@@ -442,6 +446,7 @@ def main(argv=None):
         "skipped_steps_per_stage": {s["stage"]: s.get("skipped_steps") for s in stats if s["dp"] == 0} if is_paci else None,
         "tie_embeddings": args.tie_embeddings,
         "tied": [s["tied"] for s in stats if s.get("tied") and s["tied"]["owner"]] if is_paci else None,
+        "lookahead_per_stage": {s["stage"]: s.get("lookahead") for s in stats if s["dp"] == 0} if is_paci else None,
     }
     reporter.record(event="summary", **summary)
     rss = " | ".join(f"stage {k}: {v:.0f} MB" for k, v in summary["peak_rss_mb_per_stage"].items())
@@ -457,6 +462,15 @@ def main(argv=None):
     if is_paci:
         lines.append("weight drift     " + " | ".join(
             f"stage {s['stage']}: {s['drift_histogram']} (bound {s['drift_bound']})" for s in stats if s["dp"] == 0))
+
+        def lookahead_text(la):
+            if not la.get("enabled"):
+                return "off"
+            error = "n/a" if la["prediction_error"] is None else f"{la['prediction_error']:.2f}"
+            return f"{la['predicted_forwards']} predicted forwards, error {error}, {la['seconds']:.2f} s"
+
+        lines.append("look-ahead       " + " | ".join(
+            f"stage {s['stage']}: {lookahead_text(s['lookahead'])}" for s in stats if s["dp"] == 0))
     if nonfinite_steps or any(summary["skipped_steps_per_stage"] or {}):
         lines.append(f"non-finite       loss at step(s) {nonfinite_steps or 'none'}; skipped local steps per stage "
                      f"{summary['skipped_steps_per_stage']}")

@@ -92,6 +92,32 @@ def test_configurations_are_validated_and_emulated_gets_a_block_per_stage():
     assert tied.name == "real_P2_M4_tied" and "tied embeddings" in tied.label() and not headline[0].tie_embeddings
 
 
+def test_three_engines_differ_only_in_the_paci_section():
+    from ds_paci.tools.bench import runner
+    cfg = config.make_config("emulated", stages=4)
+    stock, paci, lookahead = (runner.ds_config(cfg, e, trace=False) for e in config.ENGINES)
+    assert "paci" not in stock
+    assert paci["paci"]["lookahead"] is False and lookahead["paci"]["lookahead"] is True
+    assert {k: v for k, v in paci.items() if k != "paci"} == stock == {k: v for k, v in lookahead.items() if k != "paci"}
+
+
+def test_curve_runs_keep_model_data_and_micro_batching_and_drop_only_the_wait():
+    study = config.studies()["lookahead"]
+    throughput = {c.name: c for c in study.throughput}
+    assert set(throughput) == {"real_P2_M4", "emulated_P4_M4", "emulated_P8_M8"}
+    curves = study.curve_configs()
+    assert len(curves) == 3 * 2 * 2  # configurations x learning rates x seeds
+    for c in curves:
+        base = throughput[c.name]
+        assert c.loss_curves and c.device_time == 0.0 and c.steps == 300 and "no wait" in c.label()
+        for field in ("stages", "micro_batches", "micro_batch_size", "seq_len", "n_layer", "n_embd", "n_head"):
+            assert getattr(c, field) == getattr(base, field), field
+    for name, lrs in study.lrs.items():
+        assert len(lrs) == 2 and lrs[0] == pytest.approx(3 * lrs[1]), "one near stock's best, one 3x lower"
+    with pytest.raises(ValueError, match="device_time 0"):
+        config.validate_config(config.BenchConfig(**{**curves[0].__dict__, "device_time": 0.01}))
+
+
 # -- measuring tools -----------------------------------------------------------------------------
 
 
@@ -180,6 +206,47 @@ def test_compare_engines_medians_ratios_and_time_to_target():
                    "PACI final validation loss within 2% of stock's": True}
 
 
+def test_compare_engines_with_the_lookahead_engine():
+    cfg = config.make_config("emulated", stages=8)
+    rounds = [{"stock": _fake_run("stock", 100.0, 1.0, [5.0, 4.0, 3.0], 10.0),
+               "paci": _fake_run("paci", 180.0, 0.55, [5.0, 4.0, 3.09], 5.5),
+               "paci+lookahead": _fake_run("paci", 178.0, 0.56, [5.0, 3.9, 3.01], 5.6)}]
+    c = analysis.compare_engines(cfg, rounds, None)
+    assert c["engines"] == ["stock", "paci", "paci+lookahead"]
+    assert c["ratio"]["median"] == pytest.approx(1.8) and c["ratios"]["paci+lookahead"]["median"] == pytest.approx(1.78)
+    assert c["shares_of_ideal"]["paci+lookahead"] == pytest.approx(1.78 / 1.875)
+    t = c["time_to_target"]
+    assert t["final_val_loss_relative_differences"]["paci+lookahead"] == pytest.approx(0.01 / 3)
+    assert t["speedups"]["paci"]["median"] is None  # 3.09 never reaches 1.02 x 3.0
+    assert t["speedups"]["paci+lookahead"]["median"] > 1.7
+    met = {x["target"]: x["met"] for x in c["targets"]}
+    assert met["PACI + look-ahead throughput >= 95% of the ideal (M+P-1)/M"] is False  # 1.78 / 1.875 = 94.9%
+    table = report.throughput_table([{"config": cfg.__dict__, "comparison": c}])
+    assert "1.780 (1.780)" in table
+
+
+def test_study_comparison_times_each_engine_to_stocks_losses():
+    runs = {}
+    for seed in (1, 2):
+        runs[(1e-3, seed, "stock")] = [(0, 5.0), (50, 4.0), (100, 3.0), (150, 2.8), (200, 2.6)]
+        runs[(1e-3, seed, "paci")] = [(0, 5.0), (50, 4.2), (100, 3.4), (150, 3.1), (200, 2.9)]
+        runs[(1e-3, seed, "paci+lookahead")] = [(0, 5.0), (50, 4.0), (100, 3.0), (150, 2.8), (200, 2.6)]
+    out = analysis.study_comparison(runs, [1e-3], [1, 2], config.ENGINES, 200,
+                                    {"stock": 2.0, "paci": 1.0, "paci+lookahead": 1.1})
+    per = out[1e-3]
+    assert per["paci"]["final_vs_stock"] == pytest.approx(0.3 / 2.6)
+    assert per["paci+lookahead"]["final_vs_stock"] == pytest.approx(0.0)
+    quarter, last = per["paci"]["targets"][0], per["paci"]["targets"][-1]
+    assert quarter["stock_step"] == 50 and quarter["target_loss"] == [4.0, 4.0]
+    assert quarter["steps"] == [pytest.approx(50 + 50 * 0.2 / 0.8)] * 2  # 4.2 -> 3.4 crosses 4.0 a quarter in
+    assert quarter["speedup"]["median"] == pytest.approx(50 * 2.0 / (62.5 * 1.0))
+    assert last["steps"] == [None, None] and last["speedup"]["median"] is None
+    assert last["short_by"] == [pytest.approx(0.3 / 2.6)] * 2
+    la_last = per["paci+lookahead"]["targets"][-1]
+    assert la_last["steps"] == [200, 200] and la_last["speedup"]["median"] == pytest.approx(2.0 / 1.1)
+    assert analysis.loss_at_step([(0, 5.0), (10, 4.0)], 2.5) == pytest.approx(4.75)
+
+
 def test_measured_values_print_with_their_unit():
     assert report.format_measured(None, "ratio") == "not reached"
     assert report.format_measured(1.8123, "ratio") == "1.812"
@@ -240,3 +307,17 @@ def test_smoke_preset_writes_json_markdown_and_plots(tmp_path, tied):
     assert cli.main(["--preset", "smoke", "--out", str(out), "--summary-only"] + flags) == 0
     assert json.loads((out / f"{name}.json").read_text())["comparison"] == c
     assert "emulated P=2 M=2" in (out / "summary.md").read_text()
+    # the look-ahead engine ran on PACI streams and predicted stage 0's crossing forwards
+    la_stats = entry["rounds"][0]["paci+lookahead"]["paci_stats"]
+    assert la_stats[0]["lookahead"]["predicted_forwards"] > 0 and not entry["rounds"][0]["paci"]["paci_stats"][0][
+        "lookahead"]["enabled"]
+    # the curve study: untimed runs per learning rate and seed (resumable), then the report with throughput-based times
+    assert cli.main(["--study", "smoke", "--part", "curves", "--out", str(out)]) == 0
+    stored = json.loads((out / f"{name}_curves.json").read_text())["runs"]
+    assert len(stored) == 3 and all(r["validation"][-1]["step"] == 6 for r in stored.values())
+    assert cli.main(["--study", "smoke", "--part", "curves", "--out", str(out)]) == 0  # nothing left to run
+    assert json.loads((out / f"{name}_curves.json").read_text())["runs"] == stored
+    assert cli.main(["--study", "smoke", "--part", "report", "--out", str(out)]) == 0
+    study = (out / "summary.md").read_text()
+    assert "PACI + look-ahead" in study and "measured seconds per batch" in study and f"{name}_curves.png" in study
+    assert (out / f"{name}_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -18,6 +18,23 @@ def test_defaults_and_valid_section():
     assert cfg.max_consecutive_skips == 0 and PACIConfig().max_consecutive_skips == 5
     assert cfg.check_tied_copies and not PACIConfig().check_tied_copies
     assert cfg.window(4) == 8 and PACIConfig(enabled=True).window(4) == 4
+    # the look-ahead is on by default and can be switched off; the restore mode is validated
+    assert PACIConfig().lookahead and PACIConfig().lookahead_restore == "recompute"
+    off = parse_paci_section({"enabled": True, "lookahead": False, "lookahead_restore": "copy"})
+    assert not off.lookahead and off.lookahead_restore == "copy"
+
+
+def test_auto_window_keeps_drift_at_most_one_with_the_least_change():
+    from ds_paci.core.config import auto_window
+    from ds_paci.core.schedule import drift_bound
+    auto = parse_paci_section({"enabled": True, "accumulation_window": "auto"})
+    for P in range(1, 17):
+        for M in range(1, 17):
+            a = auto.window(M, P)
+            assert a == auto_window(P, M)
+            assert all(drift_bound(P, s, a) <= 1 for s in range(P)), (P, M, a)
+            # a = M whenever M already bounds drift by 1; otherwise the smallest a that does
+            assert a == M if M >= P - 1 else (a == P - 1 and drift_bound(P, 0, a - 1) > 1)
 
 
 @pytest.mark.parametrize("section,needle", [
@@ -31,6 +48,9 @@ def test_defaults_and_valid_section():
     ({"enabled": True, "max_consecutive_skips": -1}, '"paci.max_consecutive_skips" = -1'),
     ({"enabled": True, "max_consecutive_skips": 2.5}, "an integer >= 0"),
     ({"enabled": True, "check_tied_copies": 1}, '"paci.check_tied_copies" = 1'),
+    ({"enabled": True, "lookahead": "on"}, '"paci.lookahead" = \'on\''),
+    ({"enabled": True, "lookahead_restore": "exact"}, '"recompute" or "copy"'),
+    ({"enabled": True, "accumulation_window": "automatic"}, 'or "auto"'),
     ([1, 2], '"paci" must be an object'),
 ])
 def test_bad_sections_name_key_value_and_what_is_allowed(section, needle):

@@ -70,6 +70,13 @@ def test_pipeline_with_data_parallel_replicas_and_zero1():
     assert all(len(v) == 1 and math.isfinite(next(iter(v))) for v in norms.values()), norms
     assert norms[0] != norms[1]
     assert all(math.isfinite(x) for x in last[0]["async"]["losses"] if x is not None)
+    # the look-ahead under ZeRO-1: each replica of stage 0 predicted its own partition, and only that
+    for r in results:
+        if r["async"]["stage"] == 0:
+            assert r["async"]["lookahead"]["predicted_forwards"] == 3 and len(r["async"]["predicted"]) == 3
+            assert all(changed and inside for changed, inside in r["async"]["predicted"]), r["async"]["predicted"]
+        else:
+            assert r["async"]["lookahead"]["predicted_forwards"] == 0
 
 
 # -- async mode: trains, drift within bound, no cross-stage collective ------------------------
@@ -185,9 +192,14 @@ def reference_paci_mlp(P, layers, gas, window, calls, lr, stale=False, seed=7):
 
 
 @pytest.mark.parametrize("stages,window", [(2, 1), (3, 1)])
-def test_micro_batches_crossing_a_local_step_get_the_paci_gradient(stages, window):
+def test_micro_batches_crossing_a_local_step_get_the_paci_gradient(stages, window, tmp_path):
     layers, gas, calls, lr = 2 * stages, 2, 5, 0.2
-    results = run_world(workers.mlp_training, stages, stages, layers, gas, window, calls, lr, timeout=180)
+    results = run_world(workers.mlp_training, stages, stages, layers, gas, window, calls, lr, timeout=180,
+                        log_dir=str(tmp_path))
+    # SGD: the look-ahead (on by default) stays off, says so once (rank 0), and PACI's gradient is unchanged
+    assert all(not r["stats"]["lookahead"]["enabled"] for r in results)
+    log = open(tmp_path / "rank0.log").read()
+    assert log.count("look-ahead off: optimizer SGD is not Adam/AdamW") == 1, log[-2000:]
     W, _ = reference_paci_mlp(stages, layers, gas, window, calls, lr)
     W_stale, _ = reference_paci_mlp(stages, layers, gas, window, calls, lr, stale=True)
     assert results[0]["stats"]["max_drift"] >= 1, "no micro-batch crossed a local step: the test would be vacuous"

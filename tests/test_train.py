@@ -63,6 +63,9 @@ def test_main_job_trains_end_to_end(tmp_path, config, tie):
         assert "weight drift" in out
         drift = summary["drift_per_stage"]
         assert max(int(d) for d in drift[next(iter(drift))]) <= 1
+        # the default job runs the look-ahead: stage 0 predicts one crossing forward per step except the first after each drain (steps 1 and 9)
+        assert "PACI (a=4) + look-ahead" in out and "look-ahead       stage 0: 14 predicted forwards" in out
+        assert summary["lookahead_per_stage"]["0"]["predicted_forwards"] == 14
     assert summary["tie_embeddings"] == tie and (", tied LM head" in out) == tie and (", untied LM head" in out) != tie
     if tie:  # both stages own the embedding; 16 windows exchanged, applied one window late
         assert "tied embedding   stages [0, 1]: gradients applied 1 window(s) late, 16 windows exchanged" in out

@@ -78,14 +78,46 @@ def stock_vs_sync(rank, stages, batches, gas, bf16, client_optimizer, zero_stage
         engine, *_ = ds_paci.initialize(model=model, config=cfg, **kwargs)
         data = MicroBatchIterator(tokens, MICRO, SEQ, seed=5, dp_rank=engine.grid.data_parallel_id,
                                   dp_size=engine.grid.data_parallel_size)
+        predicted = _watch_zero_partition(engine) if name == "async" and zero_stage == 1 else None
         with record_distributed_calls() as calls:
             losses = [_as_float(engine.train_batch(data)) for _ in range(batches)]
         if name == "async":
             engine.drain()
         out[name] = {"type": type(engine).__name__, "losses": losses, "weights": stage_weights(engine),
                      "calls": calls, "stage_of_rank": stage_of_rank(engine), "optimizer": type(engine.optimizer).__name__,
-                     "stage": engine.stage_id, "norm": _as_float(engine.get_global_grad_norm())}
+                     "stage": engine.stage_id, "norm": _as_float(engine.get_global_grad_norm()),
+                     "predicted": predicted,
+                     "lookahead": engine.paci_stats()["lookahead"] if name != "stock" else None}
     return out
+
+
+def _watch_zero_partition(engine):
+    """During each predicted forward under ZeRO-1, which elements of the flat weights differ from the real ones.
+
+    Returns a list, filled as training runs, of ``(any changed, all changes inside this rank's partition)``.
+    """
+    la, opt, seen = engine._lookahead, engine.optimizer, []
+    if la is None:
+        return seen
+    real = {}
+    original = la.applied
+
+    def applied(window_fill, window):
+        real["flat"] = [f.clone() for f in opt.bit16_groups_flat]
+        return original(window_fill, window)
+
+    def check(module, inputs):
+        if la.active:
+            for i, flat in enumerate(opt.bit16_groups_flat):
+                changed = (flat != real["flat"][i]).nonzero().flatten()
+                pid = torch.distributed.get_rank(group=opt.real_dp_process_group[i])
+                part = opt.parallel_partitioned_bit16_groups[i][pid]
+                start = part.storage_offset() - flat.storage_offset()
+                seen.append((changed.numel() > 0, bool(((changed >= start) & (changed < start + part.numel())).all())))
+
+    la.applied = applied
+    engine.module.register_forward_pre_hook(check)
+    return seen
 
 
 # -- async training, drift and the collective spy -------------------------------------

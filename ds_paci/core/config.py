@@ -5,6 +5,7 @@ Example (JSON)::
     "paci": {
         "enabled": true,
         "accumulation_window": 8,
+        "lookahead": true,
         "drain_every_batch": false,
         "watchdog_seconds": 300,
         "max_consecutive_skips": 5,
@@ -17,13 +18,25 @@ Keys (every one optional except ``enabled``):
 ``enabled`` (bool)
     Use the PACI engine. Without the section, or with ``false``, ``ds_paci.initialize``
     returns DeepSpeed's stock ``PipelineEngine``.
-``accumulation_window`` (int >= 1, default ``gradient_accumulation_steps``)
+``accumulation_window`` (int >= 1 or ``"auto"``, default ``gradient_accumulation_steps``)
     ``a``: each stage takes its own optimizer step after every ``a`` of its backward
     passes. Drift is bounded by ``ceil((P-1-s)/a)``; ``a >= P-1`` keeps it at one
     version. Gradients are averaged over the window (the last stage scales the loss
-    by ``1/a``). At most ``MAX_WINDOW_CALLS`` (64) x ``gradient_accumulation_steps``,
-    i.e. every stage steps at least once every 64 ``train_batch`` calls
-    (:func:`check_accumulation_window`); a larger window is refused, not warned about.
+    by ``1/a``). ``"auto"``: ``a = max(M, P-1)`` (:func:`auto_window`), the smallest
+    change to the micro-batches per optimizer step that keeps drift <= 1 on every stage.
+    At most ``MAX_WINDOW_CALLS`` (64) x ``gradient_accumulation_steps``, i.e. every stage
+    steps at least once every 64 ``train_batch`` calls (:func:`check_accumulation_window`);
+    a larger window is refused, not warned about.
+``lookahead`` (bool, default true)
+    Window-informed look-ahead (:mod:`ds_paci.core.lookahead`): a forward that will cross
+    its stage's next local step runs on a prediction of the next weights (Adam/AdamW),
+    which are restored right after it. Other optimizers run without it (one log line).
+``lookahead_restore`` (``"recompute"`` or ``"copy"``, default ``"recompute"``)
+    How fp32 weights stepped by a ``torch.optim``/FusedAdam optimizer get back after a
+    predicted forward: recompute the same update and undo it (no extra memory, exact up
+    to rounding), or keep a copy of the stage's weights during the forward (exact). bf16
+    and ZeRO-1 always restore exactly from their fp32 master weights. A stage that owns
+    tied layers shared with other stages always copies (its copies must stay bit-identical).
 ``drain_every_batch`` (bool, default false)
     Sync mode: drain after every ``train_batch``. Reproduces the stock engine exactly.
 ``watchdog_seconds`` (0, or a finite number >= 1; default 300; 0 turns it off)
@@ -80,21 +93,41 @@ class PACIConfig:
     trace: bool = False
     trace_dir: Optional[str] = None
     check_tied_copies: bool = False
+    lookahead: bool = True
+    lookahead_restore: str = "recompute"
 
-    def window(self, gradient_accumulation_steps):
-        """The effective accumulation window ``a``."""
+    def window(self, gradient_accumulation_steps, stages=1):
+        """The effective accumulation window ``a`` for ``M = gradient_accumulation_steps`` on ``stages`` stages."""
+        if self.accumulation_window == AUTO:
+            return auto_window(stages, gradient_accumulation_steps)
         return self.accumulation_window or gradient_accumulation_steps
+
+
+AUTO = "auto"
+
+
+def auto_window(stages, micro_batches):
+    """``"accumulation_window": "auto"``: ``a = max(M, P - 1)``.
+
+    Drift at stage ``s`` is ``ceil((P-1-s)/a)``, at most 1 on every stage exactly when
+    ``a >= P - 1``. ``a = M`` keeps one optimizer step per ``train_batch`` (the stock
+    engine's count and LR schedule), so it is kept whenever it already bounds drift by 1;
+    otherwise ``a`` grows to ``P - 1``, the least change that does.
+    """
+    return max(micro_batches, stages - 1, 1)
 
 
 _KEYS = {
     "enabled": "true or false",
-    "accumulation_window": "an integer >= 1 (default: gradient_accumulation_steps)",
+    "accumulation_window": "an integer >= 1 or \"auto\" (default: gradient_accumulation_steps)",
     "drain_every_batch": "true or false",
     "watchdog_seconds": "a finite number of seconds >= 0: 0 turns the watchdog off, any other value must be >= 1",
     "max_consecutive_skips": "an integer >= 0 (0: never stop on skipped non-finite steps)",
     "trace": "true or false",
     "trace_dir": "a directory path",
     "check_tied_copies": "true or false",
+    "lookahead": "true or false",
+    "lookahead_restore": "\"recompute\" or \"copy\"",
 }
 
 
@@ -121,14 +154,14 @@ def parse_paci_section(section):
         return PACIConfigError(f'"paci.{key}" = {value!r} is not allowed; use {_KEYS[key]}')
 
     kw = {}
-    for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies"):
+    for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies", "lookahead"):
         if key in section:
             if not _is_bool(section[key]):
                 raise bad(key, section[key])
             kw[key] = section[key]
     if "accumulation_window" in section:
         a = section["accumulation_window"]
-        if a is not None and (not _is_int(a) or a < 1):
+        if a is not None and a != AUTO and (not _is_int(a) or a < 1):
             raise bad("accumulation_window", a)
         kw["accumulation_window"] = a
     if "watchdog_seconds" in section:
@@ -147,6 +180,11 @@ def parse_paci_section(section):
         if d is not None and (not isinstance(d, str) or not d):
             raise bad("trace_dir", d)
         kw["trace_dir"] = d
+    if "lookahead_restore" in section:
+        r = section["lookahead_restore"]
+        if r not in ("recompute", "copy"):
+            raise bad("lookahead_restore", r)
+        kw["lookahead_restore"] = r
     return PACIConfig(**kw)
 
 
@@ -218,7 +256,7 @@ def check_accumulation_window(window, gradient_accumulation_steps):
     Called wherever both numbers are known (:func:`validate_run` when the config sets
     ``gradient_accumulation_steps``, the engine otherwise, and launchers before start-up).
     """
-    if window is None or not _is_int(gradient_accumulation_steps) or gradient_accumulation_steps < 1:
+    if window is None or window == AUTO or not _is_int(gradient_accumulation_steps) or gradient_accumulation_steps < 1:
         return
     limit = MAX_WINDOW_CALLS * gradient_accumulation_steps
     if window > limit:

@@ -49,7 +49,12 @@ Contract (see also ``docs``/README):
   bit-identical with no stage waiting for another; see :mod:`ds_paci.core.tied`.
 * Refusals (:func:`ds_paci.core.config.validate_run`) run in ``__init__`` too, before
   DeepSpeed builds the optimizer, so building the class directly fails the same way.
-* Telemetry: :meth:`paci_stats` (version, local steps, drift histogram, ``tied``),
+* Look-ahead (``paci.lookahead``, on by default in async mode; :mod:`ds_paci.core.lookahead`):
+  the forward of a micro-batch whose backward comes after the stage's next local step (the
+  stream tags it, ``crosses_step``) runs on a prediction of the next weights (Adam/AdamW),
+  which are restored before the next instruction, whatever happens. Every other forward,
+  every backward, eval and checkpoints see the real weights. Sync mode never predicts.
+* Telemetry: :meth:`paci_stats` (version, local steps, drift histogram, ``tied``, look-ahead),
   :meth:`paci_trace` / :meth:`write_trace` (per-instruction times when
   ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
 """
@@ -70,6 +75,7 @@ from .config import check_accumulation_window, engine_config, parse_paci_section
 from .feed import MicroBatchFeed
 from .guard import PACINonFiniteError, SkipCounter, assert_finite_weights, stop_message
 from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_local
+from .lookahead import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
 from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
@@ -107,9 +113,10 @@ class PACIPipelineEngine(PipelineEngine):
         if not hasattr(self, "_validated"):
             validate_run(self._config._param_dict, self.module, self.paci)
         check_accumulation_window(self.paci.accumulation_window, self.micro_batches)
+        window = self.paci.window(self.micro_batches, self.num_stages)
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
-        self._stock_step = self.paci.drain_every_batch and self.paci.window(self.micro_batches) == self.micro_batches
-        self._stream = PACIStream(self.num_stages, self.stage_id, self.paci.window(self.micro_batches))
+        self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
+        self._stream = PACIStream(self.num_stages, self.stage_id, window)
         self._reserve_pipe_buffers(self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
         self._clipping = clipping_policy(self, stock=self._stock_step)
@@ -136,6 +143,10 @@ class PACIPipelineEngine(PipelineEngine):
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
                                   explain=self._explain_wait)
         self._tied = TiedWeights.create(self)  # tied layers on several stages (every rank: it creates groups)
+        # A tied owner restores predicted weights by copy: "recompute" is exact only up to rounding, and the
+        # owners' copies must stay bit-identical.
+        restore = "copy" if self._tied is not None and self._tied.exchanges else self.paci.lookahead_restore
+        self._lookahead = make_lookahead(self, self.paci.lookahead and not self._stock_step, restore)
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(self._config.monitor_config)
@@ -144,7 +155,7 @@ class PACIPipelineEngine(PipelineEngine):
             log = logger.warning if "DeepSpeed's default" in self._clipping else logger.info
             log(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
                 f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
-                f"gradient clipping: {self._clipping}")
+                f"lookahead={self._lookahead is not None}, gradient clipping: {self._clipping}")
 
     def _validate_before_build(self, args, kwargs):
         """The refusals of ``ds_paci.initialize``, before DeepSpeed builds the optimizer (on every rank)."""
@@ -253,10 +264,11 @@ class PACIPipelineEngine(PipelineEngine):
             super().set_train_batch_size(train_batch_size)  # DeepSpeed's own ValueError, before any drain
         self.drain()
         super().set_train_batch_size(train_batch_size)
-        if self.paci.accumulation_window is None or self._stock_step:
-            self._stream.window = self.micro_batches
-            self.telemetry.window = self.micro_batches
-            self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, self.micro_batches)
+        if self.paci.accumulation_window in (None, "auto") or self._stock_step:
+            window = self.micro_batches if self._stock_step else self.paci.window(self.micro_batches, self.num_stages)
+            self._stream.window = window
+            self.telemetry.window = window
+            self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window)
 
     def reset_activation_shape(self):
         if hasattr(self, "_stream") and not self.is_drained:
@@ -296,7 +308,8 @@ class PACIPipelineEngine(PipelineEngine):
                      grad_norm=None if self._global_grad_norm is None else float(self._global_grad_norm),
                      loss_origin_call=origin,
                      loss_age=None if origin is None else self._loss_calls - origin,
-                     tied=None if self._tied is None else self._tied.stats())
+                     tied=None if self._tied is None else self._tied.stats(),
+                     lookahead=self._lookahead.stats() if self._lookahead is not None else {"enabled": False})
         return stats
 
     def paci_trace(self):
@@ -373,7 +386,12 @@ class PACIPipelineEngine(PipelineEngine):
 
     def _exec_paci_forward(self, cmd):
         self.telemetry.forward(cmd.buffer_id)
-        PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
+        if self._lookahead is not None and cmd.crosses_step:
+            # this micro-batch's backward comes after the next local step: forward on the predicted next weights
+            with self._lookahead.applied(cmd.window_fill, self._stream.window):
+                PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
+        else:
+            PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
 
     def _exec_paci_backward(self, cmd):
         if self.is_last_stage() and self._stream.window != self.micro_batches:
@@ -393,6 +411,8 @@ class PACIPipelineEngine(PipelineEngine):
         self._local_step(cmd.version)
 
     def _local_step(self, version):
+        if self._lookahead is not None:
+            self._lookahead.before_step()
         if self._stock_step:  # DeepSpeed's order: tied all-reduce, then the DP reduce
             if self._tied is not None:
                 self._exec_reduce_tied_grads()
@@ -411,6 +431,8 @@ class PACIPipelineEngine(PipelineEngine):
         if self._aliases is not None:
             self._aliases.release_grads()
         self.telemetry.stepped()
+        if self._lookahead is not None:
+            self._lookahead.after_step()
         if self._skips.record(applied, version) and not self._stock_step:
             self._stop_request = (self._skips.last_skipped_step, self._skips.consecutive, self._skips.limit)
 

@@ -33,6 +33,12 @@ Text form (round-trips with :func:`parse_instruction` / :func:`format_instructio
 
 A tick prints as its instructions joined by ``,`` (``-`` when empty), a stream as
 its ticks joined by `` | ``.
+
+Every :class:`ForwardPass` a :class:`PACIStream` generates carries two attributes
+(not part of the text form): ``window_fill``, the backward passes already in the
+stage's open window when the forward runs, and ``crosses_step``, whether a local
+step falls between the forward and its backward (see :func:`crosses_local_step`).
+The engine's look-ahead reads them.
 """
 
 import math
@@ -42,7 +48,7 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, BufferOpInstruction, 
                                              PipeInstruction, RecvActivation, RecvGrad, SendActivation, SendGrad)
 
 __all__ = [
-    "LocalAccumulate", "LocalStep", "PACIStream", "num_buffers", "drift_bound",
+    "LocalAccumulate", "LocalStep", "PACIStream", "num_buffers", "drift_bound", "crosses_local_step",
     "format_instruction", "parse_instruction", "format_tick", "parse_tick", "format_stream", "parse_stream",
     "micro_batch_of", "stream_violations", "pairing_violations"
 ]
@@ -92,6 +98,20 @@ def num_buffers(stages, stage_id):
 def drift_bound(stages, stage_id, window):
     """Most weight versions a micro-batch can cross between forward and backward at a stage."""
     return math.ceil((stages - 1 - stage_id) / window)
+
+
+def crosses_local_step(window, window_fill, backwards_between):
+    """Whether a forward crosses the stage's next local step.
+
+    The forward is issued when the open window already holds ``window_fill`` backward
+    passes, and the stage runs ``backwards_between`` other backward passes (``min(m, P-1-s)``
+    for segment-local micro-batch ``m``) before the forward's own backward. A step follows
+    the ``window``-th backward of a window, so it falls strictly between the forward and
+    its backward exactly when ``window_fill + backwards_between >= window``. (The partial
+    window a drain closes is stepped after the segment's last backward, so no forward
+    crosses it.)
+    """
+    return window_fill + backwards_between >= window
 
 
 def micro_batch_of(instr):
@@ -217,7 +237,12 @@ class PACIStream:
             if valid(m) and (s == 0 or s == P - 1):
                 cmds.append(_make(LoadMicroBatch, base + m, nbuf))
             if valid(m):
-                cmds.append(_make(ForwardPass, base + m, nbuf))
+                forward = _make(ForwardPass, base + m, nbuf)
+                # Known now, from the stream: backward passes already in the open window, and whether a local
+                # step will fall between this forward and its backward (the look-ahead predicts for those).
+                forward.window_fill = self.window_fill
+                forward.crosses_step = crosses_local_step(self.window, self.window_fill, min(m, P - 1 - s))
+                cmds.append(forward)
         else:
             if valid(m) and s < P - 1:
                 cmds.append(_make(RecvGrad, base + m, nbuf))
@@ -294,7 +319,9 @@ def stream_violations(ticks, stages, stage_id, window, expect_drained=True, star
     exactly every ``window``-th backward (a final partial window may close at the
     end), step versions consecutive, drift <= ``ceil((P-1-s)/window)``, buffer ids
     never reused while occupied, and (``expect_drained``) nothing in flight and no
-    open window at the end.
+    open window at the end. Forwards tagged by :class:`PACIStream` (``crosses_step``,
+    ``window_fill``) must carry the truth: the fill of the open window at the forward,
+    and whether a local step falls between the forward and its backward.
     """
     out = []
     bound = drift_bound(stages, stage_id, window)
@@ -305,6 +332,7 @@ def stream_violations(ticks, stages, stage_id, window, expect_drained=True, star
     loaded = set()
     version = start_version
     fill = 0
+    crossing_tag = {}
     for t, tick in enumerate(ticks):
         for ins in tick:
             m = micro_batch_of(ins)
@@ -325,6 +353,10 @@ def stream_violations(ticks, stages, stage_id, window, expect_drained=True, star
                     out.append(f"{where}: buffer {b} still holds micro-batch {occupied[b]}")
                 occupied[b] = m
                 fwd_version[m] = version
+                if hasattr(ins, "window_fill") and ins.window_fill != fill:
+                    out.append(f"{where}: tagged window_fill {ins.window_fill}, the open window holds {fill}")
+                if hasattr(ins, "crosses_step"):
+                    crossing_tag[m] = ins.crosses_step
                 if len(fwd_version) > stages - stage_id:
                     out.append(f"{where}: {len(fwd_version)} in flight > {stages - stage_id}")
             elif isinstance(ins, BackwardPass):
@@ -334,6 +366,8 @@ def stream_violations(ticks, stages, stage_id, window, expect_drained=True, star
                 drift = version - fwd_version.pop(m)
                 if drift > bound:
                     out.append(f"{where}: drift {drift} > bound {bound}")
+                if m in crossing_tag and crossing_tag.pop(m) != (drift >= 1):
+                    out.append(f"{where}: forward tagged crosses_step={not drift >= 1} but crossed {drift} steps")
                 occupied.pop(ins.buffer_id, None)
                 done.add(m)
                 fill += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from .config import BenchConfig, ENGINES
+from .config import BenchConfig, ENGINES, PACI_ENGINES, engines_in
 
 
 TARGET_LOSS_FACTOR = 1.02
@@ -31,7 +31,7 @@ def expected_seconds_per_batch(engine: str, stages: int, micro_batches: int, dev
     PACI's steady state spends ``M`` of those per batch, the stock engine ``M + P - 1``.
     """
     per_micro_batch = 3.0 * device_time * blocks_per_stage
-    slots = micro_batches if engine == "paci" else micro_batches + stages - 1
+    slots = micro_batches if engine in PACI_ENGINES else micro_batches + stages - 1
     return slots * per_micro_batch
 
 
@@ -170,69 +170,96 @@ def summarize_run(ranks: list, cfg: BenchConfig, engine: str, wall_seconds: floa
         "memory": memory_of_run(ranks),
         "world_wall_seconds": wall_seconds,
     }
-    if engine == "paci":
+    if engine in PACI_ENGINES:
         summary["paci_stats"] = [r.get("paci_stats") for r in ranks]
     return summary
+
+
+def lookahead_seconds_per_batch(run: dict) -> float | None:
+    """Look-ahead time per ``train_batch`` call of a run: the largest stage's predict + restore seconds / calls."""
+    stats = [s for s in run.get("paci_stats") or [] if s and s.get("lookahead", {}).get("enabled")]
+    if not stats:
+        return None
+    return max(s["lookahead"]["seconds"] / max(1, s["train_batch_calls"]) for s in stats)
 
 
 def compare_engines(cfg: BenchConfig, rounds: list, target_loss: float | None) -> dict:
     """Medians, per-round ratios, share of ideal, memory, time to target and issue targets of one configuration.
 
-    ``rounds``: ``[{"stock": run summary, "paci": run summary}, ...]``. ``target_loss``
-    ``None`` selects :func:`default_target_loss`.
+    ``rounds``: ``[{"stock": run summary, "paci": run summary, ...}, ...]`` (the engines
+    present in the first round are compared, each against ``stock``). ``target_loss``
+    ``None`` selects :func:`default_target_loss`. The top-level ``ratio``, ``speedup``
+    and ``final_val_loss_relative_difference`` are PACI's; every engine's are under
+    ``ratios``, ``time_to_target.speedups`` and ``final_val_loss_relative_differences``.
     """
-    tps = {e: [r[e]["throughput"]["tokens_per_second"] for r in rounds] for e in ENGINES}
-    spb = {e: [r[e]["throughput"]["seconds_per_batch"] for r in rounds] for e in ENGINES}
-    ratios = per_round_ratios(tps["paci"], tps["stock"])
-    ratio = median_of(ratios)
+    engines = engines_in(rounds[0])
+    others = [e for e in engines if e != "stock"]
+    tps = {e: [r[e]["throughput"]["tokens_per_second"] for r in rounds] for e in engines}
+    spb = {e: [r[e]["throughput"]["seconds_per_batch"] for r in rounds] for e in engines}
+    ratios = {e: per_round_ratios(tps[e], tps["stock"]) for e in others}
     ideal = ideal_ratio(cfg.stages, cfg.micro_batches)
-    finals = {e: [r[e]["final_val_loss"] for r in rounds] for e in ENGINES}
+    finals = {e: [r[e]["final_val_loss"] for r in rounds] for e in engines}
     rule = "given by --target-loss"
     if target_loss is None:
         target_loss = default_target_loss(finals["stock"])
         rule = f"{TARGET_LOSS_FACTOR} x the stock engine's final validation loss (median over rounds)"
     tta = {e: [time_to_target([(p["step"], p["train_seconds"], p["loss"]) for p in r[e]["validation"]], target_loss)
-               for r in rounds] for e in ENGINES}
-    tta_seconds = {e: [None if x is None else x[0] for x in tta[e]] for e in ENGINES}
-    tta_steps = {e: [None if x is None else x[1] for x in tta[e]] for e in ENGINES}
-    speedups = per_round_ratios(tta_seconds["stock"], tta_seconds["paci"])
-    curves = [{e: [(p["step"], p["train_seconds"], p["loss"]) for p in r[e]["validation"]] for e in ENGINES}
+               for r in rounds] for e in engines}
+    tta_seconds = {e: [None if x is None else x[0] for x in tta[e]] for e in engines}
+    tta_steps = {e: [None if x is None else x[1] for x in tta[e]] for e in engines}
+    speedups = {e: per_round_ratios(tta_seconds["stock"], tta_seconds[e]) for e in others}
+    curves = [{e: [(p["step"], p["train_seconds"], p["loss"]) for p in r[e]["validation"]] for e in engines}
               for r in rounds]
-    per_round_levels = [speedups_at_reference_levels(c["stock"], c["paci"]) for c in curves]
-    levels = []
-    for i, (loss, *_) in enumerate(per_round_levels[0]):
-        column = [lv[i] for lv in per_round_levels]
-        levels.append({"stock_step": curves[0]["stock"][i + 1][0], "loss": loss,
-                       "stock_seconds": median_of([x[1] for x in column]),
-                       "paci_seconds": median_of([x[2] for x in column]),
-                       "speedup": median_of([x[3] for x in column])})
-    final_stock, final_paci = median_of(finals["stock"]), median_of(finals["paci"])
+    levels = {}
+    for e in others:
+        per_round_levels = [speedups_at_reference_levels(c["stock"], c[e]) for c in curves]
+        levels[e] = []
+        for i, (loss, *_) in enumerate(per_round_levels[0]):
+            column = [lv[i] for lv in per_round_levels]
+            levels[e].append({"stock_step": curves[0]["stock"][i + 1][0], "loss": loss,
+                              "stock_seconds": median_of([x[1] for x in column]),
+                              "paci_seconds": median_of([x[2] for x in column]),
+                              "speedup": median_of([x[3] for x in column])})
+    final = {e: median_of(finals[e]) for e in engines}
+    differences = {e: relative_difference(final[e], final["stock"]) for e in others}
+    ratio = {e: median_of(ratios[e]) for e in others}
     comparison = {
-        "tokens_per_second": {e: {"median": median_of(tps[e]), "per_round": tps[e]} for e in ENGINES},
-        "seconds_per_batch": {e: {"median": median_of(spb[e]), "per_round": spb[e]} for e in ENGINES},
-        "ratio": {"median": ratio, "per_round": ratios},
+        "engines": engines,
+        "tokens_per_second": {e: {"median": median_of(tps[e]), "per_round": tps[e]} for e in engines},
+        "seconds_per_batch": {e: {"median": median_of(spb[e]), "per_round": spb[e]} for e in engines},
+        "ratio": {"median": ratio.get("paci"), "per_round": ratios.get("paci")},
+        "ratios": {e: {"median": ratio[e], "per_round": ratios[e]} for e in others},
         "ideal_ratio": ideal,
-        "share_of_ideal": None if ratio is None else share_of_ideal(ratio, cfg.stages, cfg.micro_batches),
+        "share_of_ideal": None if ratio.get("paci") is None else share_of_ideal(ratio["paci"], cfg.stages,
+                                                                                  cfg.micro_batches),
+        "shares_of_ideal": {e: None if ratio[e] is None else share_of_ideal(ratio[e], cfg.stages, cfg.micro_batches)
+                            for e in others},
         "memory": memory_comparison(rounds),
         "time_to_target": {
             "target_loss": target_loss,
             "rule": rule,
-            "seconds": {e: {"median": median_of(tta_seconds[e]), "per_round": tta_seconds[e]} for e in ENGINES},
-            "steps": {e: {"median": median_of(tta_steps[e]), "per_round": tta_steps[e]} for e in ENGINES},
-            "speedup": {"median": median_of(speedups), "per_round": speedups},
-            "final_val_loss": {"stock": final_stock, "paci": final_paci},
-            "final_val_loss_relative_difference": relative_difference(final_paci, final_stock),
-            "at_stock_levels": levels,
+            "seconds": {e: {"median": median_of(tta_seconds[e]), "per_round": tta_seconds[e]} for e in engines},
+            "steps": {e: {"median": median_of(tta_steps[e]), "per_round": tta_steps[e]} for e in engines},
+            "speedup": {"median": median_of(speedups["paci"]), "per_round": speedups["paci"]},
+            "speedups": {e: {"median": median_of(speedups[e]), "per_round": speedups[e]} for e in others},
+            "final_val_loss": final,
+            "final_val_loss_relative_difference": differences["paci"],
+            "final_val_loss_relative_differences": differences,
+            "at_stock_levels": levels["paci"],
+            "at_stock_levels_by_engine": levels,
         },
     }
+    lookahead = [lookahead_seconds_per_batch(r[e]) for r in rounds for e in others]
+    if any(x is not None for x in lookahead):
+        comparison["lookahead_seconds_per_batch"] = median_of(lookahead)
     if cfg.emulated:
         comparison["expected_seconds_per_batch"] = {
             e: expected_seconds_per_batch(e, cfg.stages, cfg.micro_batches, cfg.device_time, cfg.blocks_per_stage)
-            for e in ENGINES
+            for e in engines
         }
         comparison["measured_over_expected"] = {
             e: comparison["seconds_per_batch"][e]["median"] / comparison["expected_seconds_per_batch"][e]
-            for e in ENGINES
+            for e in engines
         }
     comparison["targets"] = issue_targets(cfg, comparison)
     return comparison
@@ -241,7 +268,8 @@ def compare_engines(cfg: BenchConfig, rounds: list, target_loss: float | None) -
 def memory_comparison(rounds: list) -> dict:
     """Per stage and engine: median over rounds of each memory figure; plus the weight-copy checks."""
     out = {}
-    for engine in ENGINES:
+    engines = engines_in(rounds[0])
+    for engine in engines:
         per_stage = []
         for s in range(len(rounds[0][engine]["memory"])):
             rows = [r[engine]["memory"][s] for r in rounds]
@@ -262,8 +290,13 @@ def memory_comparison(rounds: list) -> dict:
     out["paci_held_le_stock_every_stage"] = all(p["peak_held_bytes"] <= s["peak_held_bytes"]
                                                 for p, s in zip(paci, stock))
     out["same_param_bytes_every_stage"] = all(p["param_bytes"] == s["param_bytes"] for p, s in zip(paci, stock))
-    out["no_extra_weight_copies"] = (all(x["extra_weight_bytes"] == 0 for x in stock + paci)
-                                     and all(x["aliases_share_storage"] in (True, None) for x in paci))
+    paci_engines = [e for e in engines if e in PACI_ENGINES]
+    out["no_extra_weight_copies"] = (all(x["extra_weight_bytes"] == 0 for e in engines for x in out[e])
+                                     and all(x["aliases_share_storage"] in (True, None)
+                                             for e in paci_engines for x in out[e]))
+    if "paci+lookahead" in out:
+        out["lookahead_saved_le_stock_every_stage"] = all(
+            p["peak_saved_bytes"] <= s["peak_saved_bytes"] for p, s in zip(out["paci+lookahead"], stock))
     return out
 
 
@@ -291,6 +324,10 @@ def issue_targets(cfg: BenchConfig, comparison: dict) -> list:
         over = comparison["measured_over_expected"]["paci"]
         targets.append({"target": "PACI seconds per batch within 10% of M*3f (emulated); measured/expected",
                         "measured": over, "unit": "ratio", "met": abs(over - 1.0) <= 0.10})
+    share = comparison.get("shares_of_ideal", {}).get("paci+lookahead")
+    if share is not None:
+        targets.append({"target": "PACI + look-ahead throughput >= 95% of the ideal (M+P-1)/M", "measured": share,
+                        "unit": "relative_share", "met": share >= 0.95})
     if key == ("emulated", 8, 8):
         tta = comparison["time_to_target"]
         speedup = tta["speedup"]["median"]
@@ -300,3 +337,66 @@ def issue_targets(cfg: BenchConfig, comparison: dict) -> list:
         targets.append({"target": "PACI final validation loss within 2% of stock's", "measured": diff,
                         "unit": "relative", "met": abs(diff) <= 0.02})
     return targets
+
+
+# -- loss-curve studies (stock, PACI, PACI + look-ahead over learning rates and seeds) ---------------------
+STUDY_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def loss_at_step(curve: list, step: float) -> float:
+    """Validation loss of ``curve`` (``[(step, loss), ...]``) at ``step``, linear between evaluations."""
+    for (s0, l0), (s1, l1) in zip(curve, curve[1:]):
+        if s0 <= step <= s1:
+            return l0 if s1 == s0 else l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    raise ValueError(f"step {step} outside the curve ({curve[0][0]}..{curve[-1][0]})")
+
+
+def steps_to_loss(curve: list, target: float):
+    """Steps until ``curve`` first reaches ``target`` (interpolated, see :func:`time_to_target`), or ``None``."""
+    reached = time_to_target([(s, s, l) for s, l in curve], target)
+    return None if reached is None else reached[1]
+
+
+def study_comparison(runs: dict, lrs, seeds, engines, steps: int, seconds_per_batch: dict | None) -> dict:
+    """Final losses and time to stock's losses at 25/50/75/100% of its run, per learning rate, over seeds.
+
+    ``runs``: ``{(lr, seed, engine): [(step, validation loss), ...]}``. ``seconds_per_batch``:
+    ``{engine: seconds}`` measured in the throughput runs (``None``: steps only). The time
+    to a target is the steps to it times the engine's seconds per batch (the curve runs
+    have no wait, so their own clock means nothing). Per learning rate, for every engine:
+    ``final`` (per seed and median), ``final_vs_stock`` (relative difference of the
+    medians), and per target fraction: stock's loss there per seed, the engine's steps and
+    time to it per seed (``None`` = not reached, then ``short_by``: how far above the
+    target the engine's best loss stayed, relative), and the median speedup over stock in
+    time (``None`` unless every seed reached it).
+    """
+    out = {}
+    for lr in lrs:
+        per_lr = {}
+        for engine in engines:
+            finals = [runs[(lr, seed, engine)][-1][1] for seed in seeds]
+            per_lr[engine] = {"final": {"per_seed": finals, "median": median_of(finals)}, "targets": []}
+        for engine in engines:
+            per_lr[engine]["final_vs_stock"] = relative_difference(per_lr[engine]["final"]["median"],
+                                                                   per_lr["stock"]["final"]["median"])
+        for fraction in STUDY_FRACTIONS:
+            at = fraction * steps
+            losses = [loss_at_step(runs[(lr, seed, "stock")], at) for seed in seeds]
+            for engine in engines:
+                reached = [steps_to_loss(runs[(lr, seed, engine)], target) for seed, target in zip(seeds, losses)]
+                short = [None if r is not None else
+                         relative_difference(min(l for _, l in runs[(lr, seed, engine)]), target)
+                         for seed, target, r in zip(seeds, losses, reached)]
+                row = {"fraction": fraction, "stock_step": at, "target_loss": losses, "steps": reached,
+                       "short_by": short}
+                if seconds_per_batch is not None:
+                    spb = seconds_per_batch[engine]
+                    row["seconds"] = [None if r is None else r * spb for r in reached]
+                    stock_steps = [steps_to_loss(runs[(lr, seed, "stock")], t) for seed, t in zip(seeds, losses)]
+                    speed = [None if r is None or s is None else (s * seconds_per_batch["stock"]) / (r * spb)
+                             for r, s in zip(reached, stock_steps)]
+                    row["speedup"] = {"per_seed": speed,
+                                      "median": median_of(speed) if all(x is not None for x in speed) else None}
+                per_lr[engine]["targets"].append(row)
+        out[lr] = per_lr
+    return out

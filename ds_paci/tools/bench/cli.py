@@ -12,11 +12,13 @@ import sys
 import tempfile
 
 from ds_paci.tools import world
-from .analysis import TARGET_LOSS_FACTOR, compare_engines
-from .config import BenchConfig, OVERRIDABLE_FIELDS, make_config, override_config, presets
-from .plots import plot_loss, plot_ratios, plot_throughput, render_timelines
-from .report import accuracy_table, machine_facts, memory_table, summary_markdown, targets_table, throughput_table
-from .runner import prepare_tokens, run_rounds
+from .analysis import TARGET_LOSS_FACTOR, compare_engines, ideal_ratio, study_comparison
+from .config import (BenchConfig, ENGINES, OVERRIDABLE_FIELDS, curves_config, make_config, override_config, presets,
+                     studies)
+from .plots import plot_loss, plot_ratios, plot_study_curves, plot_throughput, render_timelines
+from .report import (accuracy_table, format_measured, machine_facts, memory_table, study_tables, summary_markdown,
+                     targets_table, throughput_table)
+from .runner import curve_key, prepare_tokens, run_curves, run_rounds
 
 
 def configuration_entry(cfg: BenchConfig, rounds: list, traces: dict, target_loss, out: str) -> dict:
@@ -45,6 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ds_paci.tools.bench",
                                 description="Side-by-side benchmark of DeepSpeed's stock pipeline engine and PACI.")
     p.add_argument("--preset", choices=sorted(presets()), help="named set of configurations (flags below override)")
+    p.add_argument("--study", choices=sorted(studies()),
+                   help="loss-curve study of stock, PACI and PACI + look-ahead (issue 11): --part throughput runs the "
+                        "timed rounds, --part curves the untimed 300-step runs per learning rate and seed (resumable), "
+                        "--part report the tables and plots; default: all three")
+    p.add_argument("--part", choices=["throughput", "curves", "report", "all"], default="all",
+                   help="with --study: which part to run")
     p.add_argument("--mode", choices=["real", "emulated"],
                    help="without --preset: real compute or emulated device time; with it: keep only that mode")
     p.add_argument("--summary-only", action="store_true",
@@ -150,6 +158,8 @@ def main(argv=None) -> int:
     """Command line entry point (see the module docstring and ``--help``)."""
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.study:
+        return study_main(args, "python -m ds_paci.tools.bench " + " ".join(sys.argv[1:] if argv is None else argv))
     try:
         all_configs, repeats, trace = configurations_from_args(args)
     except ValueError as e:
@@ -194,4 +204,143 @@ def main(argv=None) -> int:
         print(f"\n## {title}\n\n{table}")
     if not args.log_dir:
         shutil.rmtree(log_root, ignore_errors=True)
+    return 0
+
+
+# -- curve studies ------------------------------------------------------------------------------------
+def _curves_path(out: str, name: str) -> str:
+    return os.path.join(out, f"{name}_curves.json")
+
+
+def load_curves(out: str, name: str) -> dict:
+    """The stored curve runs of configuration ``name``: ``{curve_key: run summary}`` (empty if none yet)."""
+    path = _curves_path(out, name)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)["runs"]
+
+
+def study_runs(study, cfg: BenchConfig, stored: dict) -> dict:
+    """``{(lr, seed, engine): [(step, loss), ...]}`` of the runs of ``cfg`` that are stored."""
+    runs = {}
+    for lr in study.lrs[cfg.name]:
+        for seed, data_seed in study.seeds:
+            for engine in ENGINES:
+                key = curve_key(curves_config(cfg, study.steps, study.eval_every, lr, seed, data_seed), engine)
+                if key in stored:
+                    runs[(lr, seed, engine)] = [(p["step"], p["loss"]) for p in stored[key]["validation"]]
+    return runs
+
+
+def study_report(study, configs: list, out: str, command: str) -> str:
+    """``summary.md`` of a study from the stored throughput entries and curve runs; returns the markdown."""
+    entries = load_entries(out, configs, {})
+    lines = ["# Stock vs PACI vs PACI + look-ahead: loss curves and throughput", "", f"Command: `{command}`", "",
+             "Loss curves come from runs without the emulated wait (same model, data, seeds and micro-batching, so "
+             "the same losses per step); time = steps x the seconds per batch measured in the timed throughput runs "
+             "(emulated device time for emulated rows).", "", "## Throughput (timed rounds)", "",
+             throughput_table(entries) if entries else "(no throughput runs stored)", "", "## Loss curves", ""]
+    seeds = [s for s, _ in study.seeds]
+    targets = []
+    for cfg in configs:
+        stored = load_curves(out, cfg.name)
+        runs = study_runs(study, cfg, stored)
+        lrs = [lr for lr in study.lrs[cfg.name]
+               if all((lr, seed, e) in runs for seed in seeds for e in ENGINES)]
+        if not lrs:
+            lines += [f"### {cfg.name}: curve runs incomplete ({len(runs)} stored)", ""]
+            continue
+        entry = next((e for e in entries if e["config"]["name"] == cfg.name), None)
+        spb = None if entry is None else {e: entry["comparison"]["seconds_per_batch"][e]["median"] for e in ENGINES
+                                          if e in entry["comparison"]["seconds_per_batch"]}
+        if spb is not None and len(spb) < len(ENGINES):
+            spb = None
+        comparison = study_comparison(runs, lrs, seeds, ENGINES, study.steps, spb)
+        label = cfg.label() + (" (times: measured seconds per batch)" if spb else " (no throughput runs: steps only)")
+        lines += [study_tables(label, comparison, ENGINES, seeds), ""]
+        png = plot_study_curves(cfg.label(), runs, lrs, seeds, ENGINES, spb,
+                                os.path.join(out, f"{cfg.name}_curves.png"), cfg.emulated)
+        lines += [f"![{cfg.name} curves]({os.path.basename(png)})", ""]
+        targets += _study_targets(cfg, comparison, entry)
+    lines += ["## Issue 11 targets (reported, not enforced)", "", "| configuration | target | measured | met |",
+              "|---|---|---|---|"]
+    lines += [f"| {t['config']} | {t['target']} | {format_measured(t['measured'], t['unit'])} | "
+              f"{'yes' if t['met'] else 'NO'} |" for t in targets]
+    markdown = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write(markdown)
+    return markdown
+
+
+def _study_targets(cfg: BenchConfig, comparison: dict, entry) -> list:
+    """Issue 11's done-when lines at emulated P=8, M=8, per learning rate."""
+    if (cfg.mode, cfg.stages, cfg.micro_batches) != ("emulated", 8, 8):
+        return []
+    out = []
+    for lr, per_lr in comparison.items():
+        la = per_lr["paci+lookahead"]
+        diff = la["final_vs_stock"]
+        out.append({"config": f"{cfg.label()}, lr {lr:g}", "target": "PACI + look-ahead final val loss within 1% of "
+                    "stock's (median over seeds)", "measured": diff, "unit": "relative", "met": abs(diff) <= 0.01})
+        speed = la["targets"][-1].get("speedup", {}).get("median")
+        out.append({"config": f"{cfg.label()}, lr {lr:g}", "target": "PACI + look-ahead reaches stock's final loss "
+                    ">= 1.6x sooner", "measured": speed, "unit": "ratio", "met": speed is not None and speed >= 1.6})
+    if entry is not None:
+        share = entry["comparison"].get("shares_of_ideal", {}).get("paci+lookahead")
+        out.append({"config": entry["label"], "target": "PACI + look-ahead throughput >= 95% of (M+P-1)/M = "
+                    f"{ideal_ratio(cfg.stages, cfg.micro_batches):.3f}", "measured": share, "unit": "relative_share",
+                    "met": share is not None and share >= 0.95})
+    return out
+
+
+def study_main(args, command: str) -> int:
+    """``--study``: throughput rounds, curve runs (resumable) and the report (see ``--help``)."""
+    study = studies()[args.study]
+    configs = [c for c in study.throughput if not args.only or c.name in args.only.split(",")]
+    if not configs:
+        raise SystemExit(f"--only {args.only} matches none of {', '.join(c.name for c in study.throughput)}")
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    parts = ("throughput", "curves", "report") if args.part == "all" else (args.part, )
+    if parts != ("report", ):
+        log_root = args.log_dir or tempfile.mkdtemp(prefix="ds_paci_study_")
+        os.makedirs(log_root, exist_ok=True)
+        data_path = os.path.join(log_root, "tokens_byte.pt")
+        data = prepare_tokens(configs[0], data_path)
+        facts = machine_facts()
+        print(f"ds_paci.bench: study {args.study}, parts {', '.join(parts)}; logs in {log_root}", flush=True)
+        try:
+            for cfg in configs:
+                if "throughput" in parts:
+                    loadavg_before = [round(x, 2) for x in os.getloadavg()]
+                    rounds, traces = run_rounds(cfg, repeats=args.repeats or study.repeats, trace=False,
+                                                data_path=data_path, log_root=log_root, timeout=args.timeout,
+                                                echo=lambda line: print(line, flush=True))
+                    entry = configuration_entry(cfg, rounds, traces, args.target_loss, out)
+                    entry.update(machine=facts, command=command, data=data, loadavg_before=loadavg_before,
+                                 loadavg_after=[round(x, 2) for x in os.getloadavg()])
+                    write_json(os.path.join(out, f"{cfg.name}.json"), entry)
+                if "curves" in parts:
+                    stored = load_curves(out, cfg.name)
+
+                    def save(done, cfg=cfg):
+                        write_json(_curves_path(out, cfg.name),
+                                   {"config": dataclasses.asdict(cfg), "study": args.study, "command": command,
+                                    "machine": facts, "data": data, "steps": study.steps,
+                                    "eval_every": study.eval_every, "runs": done})
+
+                    for lr in study.lrs[cfg.name]:
+                        for seed, data_seed in study.seeds:
+                            run_curves(curves_config(cfg, study.steps, study.eval_every, lr, seed, data_seed), ENGINES,
+                                       data_path=data_path, log_root=os.path.join(log_root, cfg.name),
+                                       timeout=args.timeout, done=stored, save=save,
+                                       echo=lambda line: print(line, flush=True))
+        except world.WorldFailure as e:
+            print(f"ds_paci.bench: {e}", file=sys.stderr)
+            return 1
+        if not args.log_dir:
+            shutil.rmtree(log_root, ignore_errors=True)
+    if "report" in parts:
+        print(study_report(study, list(study.throughput), out, command))
     return 0

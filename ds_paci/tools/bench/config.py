@@ -7,10 +7,18 @@ from dataclasses import dataclass
 
 
 
-ENGINES = ("stock", "paci")
+ENGINES = ("stock", "paci", "paci+lookahead")
 
 
-ENGINE_TITLES = {"stock": "stock 1F1B-flush", "paci": "PACI"}
+ENGINE_TITLES = {"stock": "stock 1F1B-flush", "paci": "PACI", "paci+lookahead": "PACI + look-ahead"}
+
+#: Engines that run PACI streams (``PACIPipelineEngine``); the rest are DeepSpeed's stock engine.
+PACI_ENGINES = ("paci", "paci+lookahead")
+
+
+def engines_in(runs) -> list:
+    """The engines present in ``runs`` (a round dict or a list of names), in :data:`ENGINES` order."""
+    return [e for e in ENGINES if e in runs]
 
 
 @dataclass(frozen=True)
@@ -20,6 +28,9 @@ class BenchConfig:
     ``device_time`` > 0 only in ``emulated`` mode (seconds of emulated device time per
     block in forward; backward waits twice as long). ``tie_embeddings`` ties the LM head to
     the token embedding (first and last stage; PACI exchanges their gradients, stock all-reduces them).
+    ``loss_curves``: an emulated shape run without the wait (``device_time`` 0): the same math, so
+    the same losses per step, in far less time; its timings mean nothing and are not reported (see
+    :func:`curves_config`).
     """
 
     name: str
@@ -41,6 +52,7 @@ class BenchConfig:
     data_seed: int = 7
     tokenizer: str = "byte"
     tie_embeddings: bool = False
+    loss_curves: bool = False
 
     @property
     def emulated(self) -> bool:
@@ -57,6 +69,8 @@ class BenchConfig:
     def label(self) -> str:
         """Human-readable name; emulated configurations always say "emulated"."""
         shape = f"P={self.stages} M={self.micro_batches}" + (", tied embeddings" if self.tie_embeddings else "")
+        if self.loss_curves:
+            return f"{self.mode} {shape} shape (loss curves, no wait)"
         if self.emulated:
             return f"emulated {shape} (f={self.device_time * 1000:g} ms/block)"
         return f"real {shape}"
@@ -82,8 +96,10 @@ def validate_config(cfg: BenchConfig) -> BenchConfig:
     if min(segment, cfg.steps) <= cfg.warmup:
         raise ValueError(f"every training segment ({min(segment, cfg.steps)} steps between evaluations) must be longer "
                          f"than warmup ({cfg.warmup}); raise --steps/--eval-every or lower --warmup")
-    if cfg.emulated and cfg.device_time <= 0:
+    if cfg.emulated and cfg.device_time <= 0 and not cfg.loss_curves:
         raise ValueError("emulated mode needs --device-time > 0")
+    if cfg.loss_curves and cfg.device_time != 0:
+        raise ValueError("loss-curve runs run without the emulated wait (device_time 0)")
     if not cfg.emulated and cfg.device_time != 0:
         raise ValueError("real mode runs without emulated device time; use --mode emulated for --device-time")
     return cfg
@@ -107,6 +123,17 @@ def config_name(cfg_fields: dict) -> str:
     return f"{cfg_fields['mode']}_P{cfg_fields['stages']}_M{cfg_fields['micro_batches']}{tied}"
 
 
+def curves_config(cfg: BenchConfig, steps: int, eval_every: int, lr: float, seed: int, data_seed: int) -> BenchConfig:
+    """``cfg``'s model, data and micro-batching without the emulated wait, for loss curves of ``steps`` steps.
+
+    The name keeps the shape (``emulated_P8_M8``): the curve runs of a configuration
+    are matched with its throughput runs by name.
+    """
+    fields = {**dataclasses.asdict(cfg), "device_time": 0.0, "loss_curves": True, "steps": steps,
+              "eval_every": eval_every, "lr": lr, "seed": seed, "data_seed": data_seed}
+    return validate_config(BenchConfig(**fields))
+
+
 def make_config(mode: str, **overrides) -> BenchConfig:
     """A validated configuration: :func:`mode_defaults` of ``mode`` with ``overrides`` (``None`` values ignored)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
@@ -125,6 +152,47 @@ class Preset:
     configs: tuple
     repeats: int
     trace: bool
+
+
+@dataclass(frozen=True)
+class CurveStudy:
+    """Loss curves of every engine per configuration, learning rate and seed, matched with throughput runs.
+
+    ``throughput``: the throughput configurations (timed, alternating rounds); ``lrs``
+    per configuration name; ``seeds``: ``(model seed, data seed)`` pairs. Each curve run
+    is :func:`curves_config` of the throughput configuration with the same name.
+    """
+
+    throughput: tuple
+    repeats: int
+    steps: int
+    eval_every: int
+    lrs: dict
+    seeds: tuple
+
+    def curve_configs(self):
+        """Every curve run's configuration, in run order (configuration, learning rate, seed)."""
+        return [curves_config(cfg, self.steps, self.eval_every, lr, seed, data_seed)
+                for cfg in self.throughput for lr in self.lrs[cfg.name] for seed, data_seed in self.seeds]
+
+
+def studies() -> dict[str, CurveStudy]:
+    """Named curve studies. ``lookahead``: issue 11's evidence (stock, PACI, PACI + look-ahead at real P=2 and
+    emulated P=4, P=8; two seeds; 300 steps; two constant learning rates: 2e-3, the best of {1e-3, 2e-3, 3e-3} for
+    the stock engine at P=8 over 300 steps (2.443, 2.365, 2.484), and 3x lower). ``smoke``: seconds."""
+    return {
+        "lookahead":
+            CurveStudy(throughput=(make_config("real", stages=2, micro_batches=4, steps=40),
+                                   make_config("emulated", stages=4, micro_batches=4, device_time=0.05, steps=40),
+                                   make_config("emulated", stages=8, micro_batches=8, device_time=0.02, steps=40)),
+                       repeats=3, steps=300, eval_every=25,
+                       lrs={"real_P2_M4": (2e-3, 2e-3 / 3), "emulated_P4_M4": (2e-3, 2e-3 / 3),
+                            "emulated_P8_M8": (2e-3, 2e-3 / 3)},
+                       seeds=((1234, 7), (4321, 8))),
+        "smoke":
+            CurveStudy(throughput=presets()["smoke"].configs, repeats=1, steps=6, eval_every=3,
+                       lrs={"emulated_P2_M2": (1e-3, )}, seeds=((1234, 7), )),
+    }
 
 
 def presets() -> dict[str, Preset]:

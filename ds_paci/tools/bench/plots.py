@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-from .config import BenchConfig, ENGINES, ENGINE_TITLES
+from .config import BenchConfig, ENGINE_TITLES, engines_in
 
 
 def _engine_colors():
-    return {"stock": "#8C8C8C", "paci": "#4C72B0"}
+    return {"stock": "#8C8C8C", "paci": "#4C72B0", "paci+lookahead": "#DD8452"}
 
 
 def plot_throughput(cfg: BenchConfig, comparison: dict, path: str) -> str:
@@ -18,19 +18,20 @@ def plot_throughput(cfg: BenchConfig, comparison: dict, path: str) -> str:
     import matplotlib.pyplot as plt
     colors = _engine_colors()
     tps = comparison["tokens_per_second"]
-    fig, ax = plt.subplots(figsize=(5.5, 4.2))
-    for x, engine in enumerate(ENGINES):
+    engines = engines_in(tps)
+    fig, ax = plt.subplots(figsize=(5.5 + 1.2 * (len(engines) - 2), 4.2))
+    for x, engine in enumerate(engines):
         ax.bar(x, tps[engine]["median"], color=colors[engine], width=0.6, label=ENGINE_TITLES[engine])
         ax.scatter([x] * len(tps[engine]["per_round"]), tps[engine]["per_round"], color="black", s=12, zorder=3)
     ideal_paci = tps["stock"]["median"] * comparison["ideal_ratio"]
-    ax.hlines(ideal_paci, 0.65, 1.35, colors="#C44E52", linestyles="--",
+    ax.hlines(ideal_paci, 0.65, len(engines) - 0.65, colors="#C44E52", linestyles="--",
               label=f"ideal PACI = stock x (M+P-1)/M = {comparison['ideal_ratio']:.3f}")
-    ax.set_xticks(range(len(ENGINES)))
-    ax.set_xticklabels([ENGINE_TITLES[e] for e in ENGINES])
+    ax.set_xticks(range(len(engines)))
+    ax.set_xticklabels([ENGINE_TITLES[e] for e in engines], fontsize=8)
     ax.set_ylabel("training tokens/s (steady state" + (", emulated)" if cfg.emulated else ")"))
     ratio = comparison["ratio"]["median"]
     ax.set_title(f"{cfg.label()}\nPACI/stock {ratio:.3f} ({comparison['share_of_ideal']:.0%} of ideal)", fontsize=10)
-    ax.set_ylim(0, 1.3 * max(ideal_paci, max(tps["paci"]["per_round"])))
+    ax.set_ylim(0, 1.3 * max(ideal_paci, *(max(tps[e]["per_round"]) for e in engines)))
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -45,7 +46,8 @@ def plot_loss(cfg: BenchConfig, rounds: list, comparison: dict, path: str) -> st
     import matplotlib.pyplot as plt
     colors = _engine_colors()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for engine in ENGINES:
+    engines = engines_in(rounds[0])
+    for engine in engines:
         run = rounds[0][engine]
         ax.plot([p["train_seconds"] for p in run["train_loss"]], [p["loss"] for p in run["train_loss"]],
                 color=colors[engine], alpha=0.35, linewidth=0.8)
@@ -54,7 +56,7 @@ def plot_loss(cfg: BenchConfig, rounds: list, comparison: dict, path: str) -> st
     tta = comparison["time_to_target"]
     ax.axhline(tta["target_loss"], color="#C44E52", linestyle="--", linewidth=0.9,
                label=f"target {tta['target_loss']:.3f}")
-    for engine in ENGINES:
+    for engine in engines:
         seconds = tta["seconds"][engine]["per_round"][0]
         if seconds is not None:
             ax.axvline(seconds, color=colors[engine], linestyle=":", linewidth=0.9)
@@ -64,7 +66,7 @@ def plot_loss(cfg: BenchConfig, rounds: list, comparison: dict, path: str) -> st
     speed = tta["speedup"]["median"]
     ax.set_title(f"{cfg.label()}: loss vs time" + (f", time to target {speed:.2f}x shorter with PACI" if speed else ""),
                  fontsize=10)
-    finals = [rounds[0][e]["final_val_loss"] for e in ENGINES]
+    finals = [rounds[0][e]["final_val_loss"] for e in engines]
     ax.set_ylim(min(finals) - 0.15, max(p["loss"] for p in rounds[0]["stock"]["validation"]) + 0.1)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -122,3 +124,37 @@ def render_timelines(cfg: BenchConfig, traces: dict, stock_seconds_per_batch: fl
         rendered[engine] = {"png": os.path.basename(png), "chrome": os.path.basename(chrome),
                             "text": render.to_text_grid(chosen, width=100), "title": title}
     return rendered
+
+
+def plot_study_curves(label: str, runs: dict, lrs, seeds, engines, seconds_per_batch: dict | None, path: str,
+                      emulated: bool) -> str:
+    """Validation loss of every engine and seed against throughput-derived time (steps x seconds per batch), one
+    panel per learning rate. ``runs``: ``{(lr, seed, engine): [(step, loss), ...]}``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = _engine_colors()
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, len(lrs), figsize=(6.2 * len(lrs), 4.4), squeeze=False)
+    for ax, lr in zip(axes[0], lrs):
+        lowest = []
+        for engine in engines:
+            scale = 1.0 if seconds_per_batch is None else seconds_per_batch[engine]
+            for i, seed in enumerate(seeds):
+                curve = runs[(lr, seed, engine)]
+                lowest.append(min(l for _, l in curve))
+                ax.plot([s * scale for s, _ in curve], [l for _, l in curve], color=colors[engine],
+                        linestyle=styles[i % len(styles)], marker="o", markersize=2.5, linewidth=1.1,
+                        label=f"{ENGINE_TITLES[engine]}, seed {seed}")
+        if seconds_per_batch is None:
+            ax.set_xlabel("step")
+        else:
+            ax.set_xlabel("training time from measured seconds per batch (s" + (", emulated)" if emulated else ")"))
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.set_ylim(min(lowest) - 0.05, min(lowest) + 1.2)
+        ax.set_title(f"{label}, lr {lr:g}", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

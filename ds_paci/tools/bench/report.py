@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 
+from .analysis import STUDY_FRACTIONS, median_of
 from .config import BenchConfig
 
 
@@ -17,6 +18,8 @@ def format_measured(value, unit: str) -> str:
         return "yes" if value else "no"
     if unit == "relative":
         return f"{value:+.2%}"
+    if unit == "relative_share":
+        return f"{value:.1%}"
     return f"{value:.3f}"
 
 
@@ -47,26 +50,40 @@ def _num(value, fmt="{:.3f}") -> str:
 
 
 def throughput_table(entries: list) -> str:
-    """Markdown table: tokens/s, s/batch (and expected for emulated rows), ratio, ideal, share of ideal."""
-    head = ("| configuration | stock tokens/s | PACI tokens/s | PACI/stock (median of rounds) | per round | ideal "
-            "(M+P-1)/M | share of ideal | stock s/batch (expected) | PACI s/batch (expected) |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+    """Markdown table: tokens/s, ratios to stock, ideal, share of ideal, s/batch (expected for emulated rows).
+
+    Entries with the look-ahead engine also show its throughput, its ratio and the time the
+    look-ahead itself took per batch (its own telemetry, slowest stage).
+    """
+    head = ("| configuration | stock tokens/s | PACI tokens/s | PACI/stock (median of rounds) | per round | "
+            "PACI + look-ahead tokens/s | look-ahead/stock (per round) | ideal (M+P-1)/M | share of ideal PACI / "
+            "look-ahead | stock s/batch (expected) | PACI s/batch (expected) | look-ahead s/batch | look-ahead's own "
+            "s/batch |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
+    lookahead = "paci+lookahead"
     for e in entries:
         cfg, c = BenchConfig(**e["config"]), e["comparison"]
         tps, spb = c["tokens_per_second"], c["seconds_per_batch"]
         expected = c.get("expected_seconds_per_batch", {})
 
         def spb_cell(engine):
+            if engine not in spb:
+                return "-"
             cell = f"{spb[engine]['median']:.3f}"
             if engine in expected:
                 cell += f" ({expected[engine]:.3f}, x{c['measured_over_expected'][engine]:.3f})"
             return cell
 
         per_round = ", ".join(_num(x) for x in c["ratio"]["per_round"])
+        la = c.get("ratios", {}).get(lookahead)
+        la_ratio = "-" if la is None else f"{la['median']:.3f} ({', '.join(_num(x) for x in la['per_round'])})"
+        la_share = c.get("shares_of_ideal", {}).get(lookahead)
+        share = f"{c['share_of_ideal']:.1%}" + ("" if la_share is None else f" / {la_share:.1%}")
+        la_tps = "-" if lookahead not in tps else f"{tps[lookahead]['median']:.0f}"
+        own = _num(c.get("lookahead_seconds_per_batch"), "{:.4f}")
         rows.append(f"| {cfg.label()} | {tps['stock']['median']:.0f} | {tps['paci']['median']:.0f} | "
-                    f"{c['ratio']['median']:.3f} | {per_round} | {c['ideal_ratio']:.3f} | "
-                    f"{c['share_of_ideal']:.1%} | {spb_cell('stock')} | {spb_cell('paci')} |")
+                    f"{c['ratio']['median']:.3f} | {per_round} | {la_tps} | {la_ratio} | {c['ideal_ratio']:.3f} | "
+                    f"{share} | {spb_cell('stock')} | {spb_cell('paci')} | {spb_cell(lookahead)} | {own} |")
     return "\n".join([head] + rows)
 
 
@@ -167,3 +184,36 @@ def summary_markdown(entries: list, facts: dict, command: str) -> str:
         for engine, t in e.get("timelines", {}).items():
             lines += [f"![{engine} timeline]({t['png']})", "", "```", t["title"], t["text"], "```", ""]
     return "\n".join(lines)
+
+
+def study_tables(label: str, comparison: dict, engines, seeds) -> str:
+    """Markdown tables of one configuration's curve study: final losses, then time to stock's losses."""
+    from .config import ENGINE_TITLES
+    seeds = list(seeds)
+    lines = [f"### {label}", "",
+             "| lr | engine | final val loss per seed | median | vs stock |", "|---|---|---|---|---|"]
+    for lr, per_lr in comparison.items():
+        for engine in engines:
+            f = per_lr[engine]["final"]
+            vs = "-" if engine == "stock" else f"{per_lr[engine]['final_vs_stock']:+.2%}"
+            lines.append(f"| {lr:g} | {ENGINE_TITLES[engine]} | {', '.join(f'{x:.4f}' for x in f['per_seed'])} | "
+                         f"{f['median']:.4f} | {vs} |")
+    lines += ["", "Time to the validation loss stock has at 25/50/75/100% of its run (per seed: steps; time = steps x "
+                  "seconds per batch of the throughput runs; speedup = stock's time / this engine's, median over seeds; "
+                  "a miss gives how far above the target the engine's best loss stayed):", "",
+              "| lr | stock step | stock loss (per seed) | engine | steps to it (per seed) | time (median) | speedup |",
+              "|---|---|---|---|---|---|---|"]
+    for lr, per_lr in comparison.items():
+        for i, fraction in enumerate(f"{f:.0%}" for f in STUDY_FRACTIONS):
+            for engine in engines:
+                row = per_lr[engine]["targets"][i]
+                steps = ", ".join("missed by " + f"{s:+.2%}" if r is None else f"{r:.0f}"
+                                  for r, s in zip(row["steps"], row["short_by"]))
+                seconds = row.get("seconds")
+                t = "-" if seconds is None or any(x is None for x in seconds) else f"{median_of(seconds):.1f} s"
+                speed = row.get("speedup", {}).get("median")
+                lines.append(f"| {lr:g} | {row['stock_step']:.0f} ({fraction}) | "
+                             f"{', '.join(f'{x:.4f}' for x in row['target_loss'])} | {ENGINE_TITLES[engine]} | {steps} | "
+                             f"{t} | {_num(speed, '{:.2f}x')} |")
+    return "\n".join(lines)
+

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ds_paci.tools import world
 from .analysis import summarize_run
-from .config import BenchConfig, ENGINES
+from .config import BenchConfig, ENGINES, PACI_ENGINES
 from .meters import ActivationMeter, StockInstructionTracer, peak_rss_bytes, weight_storage_report
 
 
@@ -17,14 +17,18 @@ class RunJob:
     """Everything one world needs: configuration, engine, data file, whether to trace, where results go."""
 
     config: BenchConfig
-    engine: str  # "stock" or "paci"
+    engine: str  # one of config.ENGINES
     data_path: str
     trace: bool
     gloo_timeout_s: float
 
 
 def ds_config(cfg: BenchConfig, engine: str, trace: bool) -> dict:
-    """The DeepSpeed config of a run: identical for both engines apart from the ``paci`` section."""
+    """The DeepSpeed config of a run: identical for every engine apart from the ``paci`` section.
+
+    ``paci``: PACI streams without look-ahead; ``paci+lookahead``: the same with the
+    window-informed look-ahead (the engine's default).
+    """
     config = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.micro_batches,
@@ -32,8 +36,9 @@ def ds_config(cfg: BenchConfig, engine: str, trace: bool) -> dict:
         "gradient_clipping": 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "torch_adam": True, "weight_decay": 0.0}},
     }
-    if engine == "paci":
-        config["paci"] = {"enabled": True, "accumulation_window": cfg.micro_batches, "trace": trace}
+    if engine in PACI_ENGINES:
+        config["paci"] = {"enabled": True, "accumulation_window": cfg.micro_batches, "trace": trace,
+                          "lookahead": engine == "paci+lookahead"}
     return config
 
 
@@ -131,7 +136,7 @@ def run_rank(rank: int, job: RunJob) -> dict:
             **weight_storage_report(engine),
         },
     }
-    if job.engine == "paci":
+    if job.engine in PACI_ENGINES:
         result["paci_stats"] = engine.paci_stats()
     if job.trace:
         records = tracer.records if tracer is not None else engine.paci_trace()
@@ -171,8 +176,8 @@ def run_engine(cfg: BenchConfig, engine: str, round_index: int, *, trace: bool, 
 
 
 def run_rounds(cfg: BenchConfig, *, repeats: int, trace: bool, data_path: str, log_root: str, timeout: float,
-               echo=print) -> tuple[list, dict]:
-    """Run stock, PACI, stock, PACI, ... for ``repeats`` rounds.
+               echo=print, engines=ENGINES) -> tuple[list, dict]:
+    """Run each of ``engines`` in turn (stock, PACI, PACI + look-ahead, stock, ...) for ``repeats`` rounds.
 
     Returns ``(rounds, traces)``: ``rounds[r][engine]`` is a run summary; ``traces[engine]``
     is ``(records of the first round, start of its first steady-state call on rank 0)``
@@ -181,15 +186,43 @@ def run_rounds(cfg: BenchConfig, *, repeats: int, trace: bool, data_path: str, l
     rounds, traces = [], {}
     for r in range(repeats):
         runs = {}
-        for engine in ENGINES:
+        for engine in engines:
             traced = trace and r == 0
             runs[engine], ranks = run_engine(cfg, engine, r, trace=traced, data_path=data_path, log_root=log_root,
                                              timeout=timeout)
             if traced:
                 traces[engine] = ([rec for rank in ranks for rec in rank["trace"]], ranks[0]["calls"][cfg.warmup][0])
             tp = runs[engine]["throughput"]
-            echo(f"[{cfg.name}] round {r + 1}/{repeats} {engine:5s}: {tp['tokens_per_second']:8.0f} tokens/s, "
+            echo(f"[{cfg.name}] round {r + 1}/{repeats} {engine:14s}: {tp['tokens_per_second']:8.0f} tokens/s, "
                  f"{tp['seconds_per_batch']:.3f} s/batch, final val loss {runs[engine]['final_val_loss']:.4f}, "
                  f"world {runs[engine]['world_wall_seconds']:.0f} s, load {os.getloadavg()[0]:.2f}")
         rounds.append(runs)
     return rounds, traces
+
+
+def run_curves(cfg: BenchConfig, engines, *, data_path: str, log_root: str, timeout: float, done: dict,
+               save, echo=print) -> dict:
+    """One untimed run per engine of a loss-curve configuration; results go into ``done`` (and ``save(done)``).
+
+    ``done`` maps :func:`curve_key` to a run summary; runs already in it are skipped, so an
+    interrupted study resumes where it stopped.
+    """
+    for engine in engines:
+        key = curve_key(cfg, engine)
+        if key in done:
+            continue
+        began = time.monotonic()
+        summary, _ = run_engine(cfg, engine, 0, trace=False, data_path=data_path,
+                                log_root=os.path.join(log_root, f"lr{cfg.lr:g}_seed{cfg.seed}"), timeout=timeout)
+        summary.pop("train_loss", None)  # per-call losses of a long run; the validation curve is what counts
+        summary.pop("throughput", None)  # no wait: its timings mean nothing
+        done[key] = summary
+        save(done)
+        echo(f"[{cfg.name} curves] lr {cfg.lr:g} seed {cfg.seed} {engine:14s}: final val loss "
+             f"{summary['final_val_loss']:.4f}, world {time.monotonic() - began:.0f} s, load {os.getloadavg()[0]:.2f}")
+    return done
+
+
+def curve_key(cfg: BenchConfig, engine: str) -> str:
+    """Key of one curve run: learning rate, seeds and engine."""
+    return f"lr={cfg.lr:g} seed={cfg.seed} data_seed={cfg.data_seed} engine={engine}"
