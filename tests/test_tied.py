@@ -112,13 +112,18 @@ def owners_by_replica(results, mode):
 
 
 def check_spy(results, mode):
-    """No collective spans two stages; every cross-stage p2p that is not the pipeline's own goes to the tied group."""
+    """No collective spans two stages; every cross-stage p2p that is neither the pipeline's own nor the loss side
+    channel's goes to the tied group."""
     for r in results:
         m = r[mode]
         stage_of = m["stage_of_rank"]
         crossing = cross_stage_collectives(m["calls"], stage_of)
         assert not crossing, f"stage {m['stage']}: {crossing[:5]}"
-        tied = [c for c in m["calls"] if c.op in ("isend", "irecv")]
+        side = [c for c in m["calls"] if c.op in ("isend", "irecv")]
+        loss_channel = [c for c in side if c.group == m["loss_channel_group"]]
+        assert all(stage_of[c.peer] == len(set(stage_of.values())) - 1 or m["stage"] == len(set(stage_of.values())) - 1
+                   for c in loss_channel), "loss side channel traffic not between the last stage and another"
+        tied = [c for c in side if c.group != m["loss_channel_group"]]
         pipe = [c for c in m["calls"] if c.op in ("send", "recv")]
         assert all(c.default_group for c in pipe)
         assert {stage_of[c.peer] for c in pipe} <= {m["stage"] - 1, m["stage"] + 1}
