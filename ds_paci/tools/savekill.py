@@ -273,7 +273,7 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
-    ok = summary["resumes_ok"] == summary["resumes"] == args.kills + 1 and summary["final_run_completed"]
+    ok = summary["resumes_ok"] == summary["resumes"] == args.kills and summary["final_run_completed"]
     return 0 if ok else 1
 
 
