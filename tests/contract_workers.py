@@ -267,6 +267,8 @@ def nonfinite_guard(rank, stages, gas, calls, bad, cases):
         bf16 = case == "bf16"
         model = poison_loss(_aux_pipeline(stages, 2 * stages), bad)
         cfg = ds_config(gas, {"enabled": True}, optimizer=False, bf16=bf16)
+        if case == "zero1":
+            cfg["zero_optimization"] = {"stage": 1}
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                            "warmup_num_steps": 100, "warmup_type": "linear"}}
         kwargs = {"model_parameters": model.parameters()}

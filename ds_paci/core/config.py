@@ -182,6 +182,9 @@ def validate_run(ds_config, model, paci):
     Clipping defaults are the engine's business (see its docstring), not this function's.
     """
     from deepspeed.runtime.pipe.module import PipelineModule
+
+    from . import compat
+    compat.check_version()
     if not isinstance(model, PipelineModule):
         raise PACIConfigError(f'"paci.enabled" needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}; '
                               'build the model as PipelineModule(layers=..., num_stages=...) or remove the "paci" section')
@@ -194,6 +197,9 @@ def validate_run(ds_config, model, paci):
     if isinstance(fp16, dict) and fp16.get("enabled", False):
         raise PACIConfigError('"fp16.enabled" = true is not supported with "paci": dynamic loss scaling needs an overflow '
                               'check shared by all stages, which PACI removes; use "bf16": {"enabled": true} or fp32')
+    reason = compat.refusal(ds_config)  # what the installed DeepSpeed version cannot do under PACI
+    if reason:
+        raise PACIConfigError(reason)
     tied = _tied_keys_across_stages(model)
     if tied:
         raise PACIConfigError(f"tied layers {tied} span several pipeline stages; keeping tied copies identical needs a "

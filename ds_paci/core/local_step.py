@@ -34,8 +34,8 @@ is the stock engine exactly):
    the config does not set ``gradient_clipping`` (DeepSpeed's default 1.0 clips by a norm over all stages,
    a cross-stage collective), async PACI does not clip.
 
-DeepSpeed internals the engine contract relies on (checked against 0.19.8; the list to re-check for another
-DeepSpeed version): ``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
+DeepSpeed internals the engine contract relies on (checked against 0.16.9, 0.17.6, 0.18.9, 0.19.0, 0.19.3, 0.19.8;
+what differs between versions is handled in :mod:`ds_paci.core.compat`; the list to re-check for a new version): ``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
 ``global_steps``, ``global_samples``, the scheduler's ``TypeError`` fallback), mirrored by :func:`skip_step`
 and :func:`step_lr`; the wrappers' ``mpu`` / ``model_parallel_*`` / ``clip_grad`` / ``overflow`` /
 ``_global_grad_norm`` attributes (here); ``engine._config._param_dict`` and ``_config.gradient_clipping``
@@ -50,6 +50,8 @@ import math
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from . import compat
 
 
 class StageLocalMPU:
@@ -214,6 +216,11 @@ def guarded_step(engine):
     """
     opt = engine.optimizer
     if is_wrapped(opt):
+        if not compat.wrapper_gradients_finite(opt):  # DeepSpeed < 0.19.8 would apply it: skip here
+            compat.discard_wrapper_gradients(opt)
+            skip_step(engine)
+            engine._global_grad_norm = float("inf")
+            return False
         engine._exec_optimizer_step()  # the wrapper checks its (stage-local) norm and skips on overflow
         applied = not bool(getattr(opt, "overflow", False))
         if not applied:
