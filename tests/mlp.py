@@ -32,6 +32,15 @@ class TanhLayer(torch.nn.Module):
         return torch.tanh(self.linear(x))
 
 
+class TiedTanhLayer(TanhLayer):
+    """A ``TanhLayer`` whose tied weight DeepSpeed finds under its default name ``weight`` (every supported version;
+    dotted names such as ``linear.weight`` only from DeepSpeed 0.16.x releases after 0.16.0)."""
+
+    @property
+    def weight(self):
+        return self.linear.weight
+
+
 def mse(out, target):
     return ((out - target)**2).mean()
 

@@ -223,7 +223,7 @@ def one_stage_dies(rank):
 def initialize_errors(rank):
     """Every combination ds_paci.initialize must refuse, tried on every rank; returns the messages."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-    from mlp import TanhLayer, mlp_pipeline, mse
+    from mlp import TanhLayer, TiedTanhLayer, mlp_pipeline, mse
 
     def attempt(model, cfg, **kw):
         try:
@@ -239,8 +239,8 @@ def initialize_errors(rank):
     out["fp16"] = attempt(mlp_pipeline(2), ds_config(2, paci, fp16={"enabled": True}))
     out["window0"] = attempt(mlp_pipeline(2), ds_config(2, {"enabled": True, "accumulation_window": 0}))
     out["unknown"] = attempt(mlp_pipeline(2), ds_config(2, {"enabled": True, "acumulation_window": 4}))
-    tied = PipelineModule(layers=[TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"]), LayerSpec(TanhLayer, 1, 7),
-                                  TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"])], num_stages=2, loss_fn=mse,
+    tied = PipelineModule(layers=[TiedLayerSpec("w", TiedTanhLayer, 0, 7), LayerSpec(TanhLayer, 1, 7),
+                                  TiedLayerSpec("w", TiedTanhLayer, 0, 7)], num_stages=2, loss_fn=mse,
                           partition_method="uniform")
     out["tied"] = attempt(tied, ds_config(2, paci))
     # accepted: the same tied model is fine for the stock engine, and PACI accepts ZeRO-1

@@ -30,6 +30,11 @@ gets the behaviour it actually has. The versions named are those whose source wa
    step. 0.19.8 (``deepspeed.runtime.utils.is_invalid_grad_norm``) makes both skip and set ``overflow``.
    On older versions PACI's async guard asks the wrapper before its step, with the wrapper's own tensors
    and groups (:func:`wrapper_gradients_finite`), and skips the step itself; sync mode is left alone.
+   ``BF16_Optimizer.zero_grad`` exists only after 0.16.0: :func:`discard_wrapper_gradients` clears its
+   low- and high-precision gradients directly.
+5. **Default ``gradient_clipping``** (:data:`DS_DEFAULT_CLIPPING`): 0 (no clipping) before 0.19.3, 1.0 from
+   0.19.3 on. Sync mode is the stock engine either way; async PACI never applies the default (a global
+   norm crosses stages) and says so in its start-up line only where the default clips.
 """
 
 from packaging.version import Version
@@ -55,6 +60,8 @@ DS_BF16_GETS_UNFUSED = getattr(_ds_constants, "DDP_BFLOAT16", None) == _ds_const
 
 # 4. BF16 and ZeRO-1 wrappers skip a non-finite step themselves (>= 0.19.8).
 DS_WRAPPERS_SKIP_NONFINITE = hasattr(_ds_utils, "is_invalid_grad_norm")
+# 5. DeepSpeed's gradient_clipping when the config has no such key (0.0 before 0.19.3, 1.0 from 0.19.3).
+DS_DEFAULT_CLIPPING = float(_ds_constants.GRADIENT_CLIPPING_DEFAULT)
 
 
 def describe():
@@ -146,6 +153,10 @@ def wrapper_gradients_finite(optimizer):
 
 def discard_wrapper_gradients(optimizer):
     """Drop a wrapper's accumulated gradients, as its own overflow branch does, for a step PACI skips."""
+    if isinstance(optimizer, BF16_Optimizer):
+        optimizer.clear_lp_grads()
+        optimizer.clear_hp_grads()
+        return
     optimizer.zero_grad()
     if isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload:
         optimizer.averaged_gradients = {}
