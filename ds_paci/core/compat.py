@@ -35,6 +35,10 @@ gets the behaviour it actually has. The versions named are those whose source wa
 5. **Default ``gradient_clipping``** (:data:`DS_DEFAULT_CLIPPING`): 0 (no clipping) before 0.19.3, 1.0 from
    0.19.3 on. Sync mode is the stock engine either way; async PACI never applies the default (a global
    norm crosses stages) and says so in its start-up line only where the default clips.
+
+Not worked around (the stock engine fails the same way): DeepSpeed 0.18.9 builds ZeRO-1's flat parameter
+buffer without ``detach()``, so with data parallelism its step's ``all_gather`` into views of that buffer
+raises under torch 2.13 ("Output 0 of Split is a view and is being modified inplace"); 0.19.0 detaches it.
 """
 
 from packaging.version import Version

@@ -135,7 +135,7 @@ class PACIPipelineEngine(PipelineEngine):
             log = logger.warning if "DeepSpeed's default" in self._clipping else logger.info
             log(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
                 f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
-                f"gradient clipping: {self._clipping}")
+                f"gradient clipping: {self._clipping}; {compat.describe()}")
 
     def _validate_before_build(self, args, kwargs):
         """The refusals of ``ds_paci.initialize``, before DeepSpeed builds the optimizer (on every rank)."""

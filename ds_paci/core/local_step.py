@@ -31,11 +31,12 @@ is the stock engine exactly):
    scheduler on an overflow, which is right only when all stages skip together). The norm is what
    ``get_global_grad_norm()`` returns: the stage's own, never across stages.
 4. **Clipping** (:func:`clipping_policy`): ``gradient_clipping`` > 0 clips by that stage-local norm. When
-   the config does not set ``gradient_clipping`` (DeepSpeed's default, 1.0 from 0.19.3, clips by a norm over all stages,
-   a cross-stage collective), async PACI does not clip.
+   the config does not set ``gradient_clipping`` (DeepSpeed's default, 1.0 from 0.19.3, clips by a norm over
+   all stages, a cross-stage collective), async PACI does not clip.
 
-DeepSpeed internals the engine contract relies on (checked against 0.16.9, 0.17.6, 0.18.9, 0.19.0, 0.19.3, 0.19.8;
-what differs between versions is handled in :mod:`ds_paci.core.compat`; the list to re-check for a new version): ``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
+DeepSpeed internals the engine contract relies on (read in 0.16.0 to 0.19.8; what differs between versions is
+handled in :mod:`ds_paci.core.compat`; the list to re-check for a new version):
+``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
 ``global_steps``, ``global_samples``, the scheduler's ``TypeError`` fallback), mirrored by :func:`skip_step`
 and :func:`step_lr`; the wrappers' ``mpu`` / ``model_parallel_*`` / ``clip_grad`` / ``overflow`` /
 ``_global_grad_norm`` attributes (here); ``engine._config._param_dict`` and ``_config.gradient_clipping``
@@ -148,8 +149,9 @@ def clipping_policy(engine, stock):
     """Settle ``gradient_clipping`` for the run; returns the phrase the start-up log line uses.
 
     ``stock`` (sync mode): DeepSpeed's own behaviour, its default when the key is absent
-    (``compat.DS_DEFAULT_CLIPPING``: 1.0 from 0.19.3, 0 before), norm over the whole pipeline. Otherwise an absent key means no clipping (set on the engine and on the wrappers,
-    which DeepSpeed built with the default), and a set value clips by the stage's own norm.
+    (``compat.DS_DEFAULT_CLIPPING``: 1.0 from 0.19.3, 0 before), norm over the whole pipeline. Otherwise an
+    absent key means no clipping (set on the engine and on the wrappers, which DeepSpeed built with the
+    default), and a set value clips by the stage's own norm.
     Call again after loading a checkpoint (wrappers restore their saved clip value).
     """
     explicit = "gradient_clipping" in engine._config._param_dict
