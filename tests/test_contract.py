@@ -84,6 +84,8 @@ def test_sync_mode_is_the_stock_engine_with_deepspeeds_default_clipping():
     and bf16."""
     from spy import cross_stage_collectives
     cases = [("absent", False), (1.0, False), (0.0, False), ("absent", True)]
+    if compat.DS_BF16_GETS_UNFUSED:
+        cases.remove(("absent", True))  # bf16 is refused on this DeepSpeed version (asserted by test_config)
     results = run_world(contract_workers.sync_vs_stock_clipping, 2, 2, 4, 2, cases, timeout=400)
     for case in cases:
         stock, sync = results[-1][case + ("stock",)], results[-1][case + ("sync",)]
