@@ -105,7 +105,7 @@ def test_sync_mode_is_the_stock_engine_with_deepspeeds_default_clipping():
     last = results[-1]
     default = ("absent", False, "sync")
     assert last[default]["losses"] == last[(compat.DS_DEFAULT_CLIPPING, False, "sync")]["losses"]
-    if not compat.DS_SCALES_EVERY_STAGE:  # 0.18.3-0.19.2 divide stage 0's gradient by M twice: 1.0 never clips
+    if not compat.DS_SCALES_EVERY_STAGE:  # 0.18.3-0.19.2 divide stage 0's gradient by M twice: 1.0 does not clip here
         assert last[(1.0, False, "sync")]["losses"][-1] != last[(0.0, False, "sync")]["losses"][-1]
 
 
