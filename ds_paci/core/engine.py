@@ -70,7 +70,7 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              SendActivation, SendGrad)
 from deepspeed.utils import logger
 
-from . import checkpoint
+from . import checkpoint, compat
 from .config import check_accumulation_window, engine_config, parse_paci_section, validate_run
 from .feed import MicroBatchFeed
 from .guard import PACINonFiniteError, SkipCounter, assert_finite_weights, stop_message
@@ -119,6 +119,7 @@ class PACIPipelineEngine(PipelineEngine):
         self._stream = PACIStream(self.num_stages, self.stage_id, window)
         self._reserve_pipe_buffers(self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
+        compat.adapt_engine(self, stock=self._stock_step)  # what differs between DeepSpeed versions
         self._clipping = clipping_policy(self, stock=self._stock_step)
         self.telemetry = StageTelemetry(rank=self.global_rank,
                                         stage=self.stage_id,
@@ -155,7 +156,8 @@ class PACIPipelineEngine(PipelineEngine):
             log = logger.warning if "DeepSpeed's default" in self._clipping else logger.info
             log(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
                 f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
-                f"lookahead={self._lookahead is not None}, gradient clipping: {self._clipping}")
+                f"lookahead={self._lookahead is not None}, gradient clipping: {self._clipping}; "
+                f"{compat.describe()}")
 
     def _validate_before_build(self, args, kwargs):
         """The refusals of ``ds_paci.initialize``, before DeepSpeed builds the optimizer (on every rank)."""
@@ -394,9 +396,11 @@ class PACIPipelineEngine(PipelineEngine):
             PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
 
     def _exec_paci_backward(self, cmd):
-        if self.is_last_stage() and self._stream.window != self.micro_batches:
-            # DeepSpeed divides the loss by M; PACI averages over the window of a micro-batches.
-            self.loss = self.loss * (self.micro_batches / self._stream.window)
+        if self.is_last_stage() and not self._stock_step:
+            # PACI averages over the window of a micro-batches (DeepSpeed divides by M, or not: see compat).
+            factor = compat.last_stage_loss_factor(self.micro_batches, self._stream.window)
+            if factor != 1.0:
+                self.loss = self.loss * factor
         PipelineEngine._exec_backward_pass(self, cmd.buffer_id)
 
     def _exec_local_accumulate(self, cmd):

@@ -4,6 +4,7 @@ import contextlib
 import copy
 import inspect
 
+from . import compat
 from .config import load_config, parse_paci_section, validate_run
 from .engine import PACIPipelineEngine
 from .lifecycle import watch_launchers
@@ -14,8 +15,9 @@ from .runtime import skip_cpu_jit_ops
 def _pipeline_engine_class(cls):
     """Make ``deepspeed.initialize`` build ``cls`` for a PipelineModule, for the duration of the block.
 
-    DeepSpeed 0.19 looks the class up as the module global ``deepspeed.PipelineEngine``
-    at call time, so a scoped rebind keeps every other step of initialize intact.
+    DeepSpeed (every supported version, see :mod:`ds_paci.core.compat`) looks the class up as the module
+    global ``deepspeed.PipelineEngine`` at call time, so a scoped rebind keeps every other step of initialize
+    intact.
     """
     import deepspeed
     original = deepspeed.PipelineEngine
@@ -74,6 +76,7 @@ def initialize(args=None,
     with _pipeline_engine_class(PACIPipelineEngine):
         result = ds_initialize(args=args, config=ds_config, **kwargs)
     if not isinstance(result[0], PACIPipelineEngine):
+        low, high = compat.SUPPORTED
         raise RuntimeError(f"deepspeed {deepspeed.__version__} did not build the PACI engine (got "
-                           f"{type(result[0]).__name__}); ds_paci supports deepspeed 0.19.x")
+                           f"{type(result[0]).__name__}); ds_paci supports deepspeed {low} to {high}")
     return result

@@ -31,11 +31,12 @@ is the stock engine exactly):
    scheduler on an overflow, which is right only when all stages skip together). The norm is what
    ``get_global_grad_norm()`` returns: the stage's own, never across stages.
 4. **Clipping** (:func:`clipping_policy`): ``gradient_clipping`` > 0 clips by that stage-local norm. When
-   the config does not set ``gradient_clipping`` (DeepSpeed's default 1.0 clips by a norm over all stages,
-   a cross-stage collective), async PACI does not clip.
+   the config does not set ``gradient_clipping`` (DeepSpeed's default, 1.0 from 0.19.3, clips by a norm over
+   all stages, a cross-stage collective), async PACI does not clip.
 
-DeepSpeed internals the engine contract relies on (checked against 0.19.8; the list to re-check for another
-DeepSpeed version): ``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
+DeepSpeed internals the engine contract relies on (read in 0.16.0 to 0.19.8; what differs between versions is
+handled in :mod:`ds_paci.core.compat`; the list to re-check for a new version):
+``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
 ``global_steps``, ``global_samples``, the scheduler's ``TypeError`` fallback), mirrored by :func:`skip_step`
 and :func:`step_lr`; the wrappers' ``mpu`` / ``model_parallel_*`` / ``clip_grad`` / ``overflow`` /
 ``_global_grad_norm`` attributes (here); ``engine._config._param_dict`` and ``_config.gradient_clipping``
@@ -50,6 +51,8 @@ import math
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+from . import compat
 
 
 class StageLocalMPU:
@@ -145,9 +148,10 @@ def is_wrapped(optimizer):
 def clipping_policy(engine, stock):
     """Settle ``gradient_clipping`` for the run; returns the phrase the start-up log line uses.
 
-    ``stock`` (sync mode): DeepSpeed's own behaviour, default 1.0 when the key is absent, norm over the
-    whole pipeline. Otherwise an absent key means no clipping (set on the engine and on the wrappers,
-    which DeepSpeed built with the default), and a set value clips by the stage's own norm.
+    ``stock`` (sync mode): DeepSpeed's own behaviour, its default when the key is absent
+    (``compat.DS_DEFAULT_CLIPPING``: 1.0 from 0.19.3, 0 before), norm over the whole pipeline. Otherwise an
+    absent key means no clipping (set on the engine and on the wrappers, which DeepSpeed built with the
+    default), and a set value clips by the stage's own norm.
     Call again after loading a checkpoint (wrappers restore their saved clip value).
     """
     explicit = "gradient_clipping" in engine._config._param_dict
@@ -158,9 +162,12 @@ def clipping_policy(engine, stock):
     clip = engine.gradient_clipping()
     if is_wrapped(engine.optimizer):
         engine.optimizer.clip_grad = clip
+    if not explicit and compat.DS_DEFAULT_CLIPPING > 0:
+        return (f"none: the config sets no \"gradient_clipping\" (DeepSpeed's default {compat.DS_DEFAULT_CLIPPING} "
+                "clips by a norm over all stages, a cross-stage collective PACI does not run); set it to clip by "
+                "each stage's own norm")
     if not explicit:
-        return ("none: the config sets no \"gradient_clipping\" (DeepSpeed's default 1.0 clips by a norm over all "
-                "stages, a cross-stage collective PACI does not run); set it to clip by each stage's own norm")
+        return "none (no \"gradient_clipping\" in the config; this deepspeed does not clip by default either)"
     return f"{clip} by each stage's own gradient norm" if clip > 0 else "none (\"gradient_clipping\": 0)"
 
 
@@ -197,7 +204,7 @@ def step_lr(engine):
 def skip_step(engine):
     """Skip an optimizer step (nothing applied, gradients zeroed) but count it and keep the LR schedule in step."""
     if is_wrapped(engine.optimizer):
-        engine.optimizer.zero_grad()
+        compat.discard_wrapper_gradients(engine.optimizer)
     else:
         engine.zero_grad()
     engine._step_applied = False
@@ -214,6 +221,10 @@ def guarded_step(engine):
     """
     opt = engine.optimizer
     if is_wrapped(opt):
+        if not compat.wrapper_gradients_finite(opt):  # DeepSpeed < 0.19.8 would apply it: skip here
+            skip_step(engine)
+            engine._global_grad_norm = float("inf")
+            return False
         engine._exec_optimizer_step()  # the wrapper checks its (stage-local) norm and skips on overflow
         applied = not bool(getattr(opt, "overflow", False))
         if not applied:

@@ -48,6 +48,7 @@ coefficients; DeepSpeed's ZeRO optimizer with a separate gradient-accumulation a
 offload).
 """
 
+import functools
 import hashlib
 import time
 
@@ -163,7 +164,7 @@ class TiedWeights:
         self.exchanges = []
         for ranks, (stages, keys) in mine.items():
             params = [
-                module._recursive_getattr(module.tied_modules[key], attr) for key in keys
+                functools.reduce(getattr, attr.split("."), module.tied_modules[key]) for key in keys
                 for attr in module.tied_weight_attrs[key]
             ]
             self.exchanges.append(_Exchange(ranks, stages, groups[ranks], keys, params))

@@ -156,6 +156,11 @@ class TokenEmbedding(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         _normal_(self.wte.weight, _INIT_STD, torch.Generator().manual_seed(int(init_seed)))
 
+    @property
+    def weight(self) -> nn.Parameter:
+        """``wte.weight`` under DeepSpeed's default tied attribute name (dotted names need DeepSpeed > 0.16.0)."""
+        return self.wte.weight
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids)
 
@@ -278,8 +283,7 @@ def gpt2_layer_specs(config, *, seed: int = 1234, device_time: float = 0.0, tie_
 
     seeds = layer_seeds(config, seed)
     if tie_embeddings:
-        specs = [TiedLayerSpec(TIED_KEY, TokenEmbedding, config, init_seed=seeds["embedding"],
-                               tied_weight_attr=["wte.weight"]),
+        specs = [TiedLayerSpec(TIED_KEY, TokenEmbedding, config, init_seed=seeds["embedding"]),
                  LayerSpec(PositionEmbedding, config, init_seed=seeds["embedding"])]
     else:
         specs = [LayerSpec(Embedding, config, init_seed=seeds["embedding"])]
@@ -290,7 +294,7 @@ def gpt2_layer_specs(config, *, seed: int = 1234, device_time: float = 0.0, tie_
     specs.append(LayerSpec(FinalNorm, config))
     if tie_embeddings:
         specs.append(TiedLayerSpec(TIED_KEY, TokenEmbedding, config, init_seed=seeds["embedding"],
-                                   forward_fn=tied_lm_logits, tied_weight_attr=["wte.weight"]))
+                                   forward_fn=tied_lm_logits))
     else:
         specs.append(LayerSpec(LMHead, config, init_seed=seeds["head"]))
     return specs
