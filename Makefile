@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ds_paci-installed
+# Megatron-DeepSpeed's extra packages, for the integration test against the real program (tests/megatron).
+MEGATRON_STAMP := $(VENV)/.megatron-test-installed
 # DeepSpeed picks the accelerator (CUDA with NCCL where present, else the CPU with gloo); DS_ACCELERATOR overrides.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
@@ -30,7 +32,11 @@ train: $(STAMP)
 train-flush: CONFIG = configs/flush.json
 train-flush: train
 
-test: $(STAMP)
+$(MEGATRON_STAMP): $(STAMP) setup.py
+	$(PY) -m pip install --quiet -e '.[test,megatron-test]'
+	touch $(MEGATRON_STAMP)
+
+test: $(STAMP) $(MEGATRON_STAMP)
 	$(PY) -m pytest tests -q
 
 bench: $(STAMP)
