@@ -10,8 +10,9 @@ default tied embeddings, evaluation every 10 iterations) through the documented 
 Launches (each one process group; the tests share them):
 
 * ``stock``: no ``"paci"`` section, 20 iterations, saves at 10 and 20.
-* ``sync_a`` + ``sync_b``: ``"paci": {"enabled": true, "drain_every_batch": true}``; stops at iteration 10
-  (``--exit-interval``, saving), then resumes with ``--load`` to 20.
+* ``sync_a`` + ``sync_b``: ``"paci": {"enabled": true, "drain_every_batch": true}`` and
+  ``--checkpoint-activations`` (recomputation is exact with dropout off, so the stock run without it is the
+  reference); stops at iteration 10 (``--exit-interval``, saving), then resumes with ``--load`` to 20.
 * ``async`` (20 iterations), ``async_a`` + ``async_b`` (stop at 10, resume): ``"paci": {"enabled": true}``.
   Async PACI refuses clipping with tied layers on two stages, so these configs set ``"gradient_clipping": 0``.
 
@@ -23,6 +24,7 @@ DeepSpeed >= 0.19.5, the ``--append-eod`` index bug); it is not part of ds_paci.
 
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -96,11 +98,12 @@ def _launch(prepared, name, mode, extra=(), nproc=2):
     return launch
 
 
-def _pair(prepared, mode):
+def _pair(prepared, mode, extra=()):
     """``<mode>_a`` stops at iteration 10 (saving), ``<mode>_b`` resumes from that checkpoint to 20."""
     ckpt = prepared["out"] / f"{mode}-ckpt"
-    a = _launch(prepared, f"{mode}_a", mode, ["--save", ckpt, "--save-interval", STOP, "--exit-interval", STOP])
-    b = _launch(prepared, f"{mode}_b", mode, ["--load", ckpt, "--save", ckpt, "--save-interval", STOP])
+    a = _launch(prepared, f"{mode}_a", mode,
+                ["--save", ckpt, "--save-interval", STOP, "--exit-interval", STOP] + list(extra))
+    b = _launch(prepared, f"{mode}_b", mode, ["--load", ckpt, "--save", ckpt, "--save-interval", STOP] + list(extra))
     return a, b
 
 
@@ -140,7 +143,9 @@ def test_preprocess_data_tokenizes_the_corpus_as_the_main_job(prepared):
 def test_sync_mode_prints_the_stock_losses_through_save_and_resume(prepared):
     out = prepared["out"]
     stock = _launch(prepared, "stock", "stock", ["--save", out / "stock-ckpt", "--save-interval", STOP])
-    a, b = _pair(prepared, "sync")
+    # sync mode recomputes activations (--checkpoint-activations): exact, as with the stock engine
+    a, b = _pair(prepared, "sync", ["--checkpoint-activations"])
+    assert all(re.search(r"checkpoint_activations \.+ True", x.output) for x in (a, b))
     assert not _saved_by_paci(out / "stock-ckpt", ITERS)  # no "paci" section: DeepSpeed's engine
     assert _saved_by_paci(out / "sync-ckpt", STOP) and _saved_by_paci(out / "sync-ckpt", ITERS)  # routed to PACI
     _assert_iteration_lines(stock.log, 1, ITERS)
