@@ -15,6 +15,7 @@ Launches (each one process group; the tests share them):
   reference); stops at iteration 10 (``--exit-interval``, saving), then resumes with ``--load`` to 20.
 * ``async`` (20 iterations), ``async_a`` + ``async_b`` (stop at 10, resume): ``"paci": {"enabled": true}``.
   Async PACI refuses clipping with tied layers on two stages, so these configs set ``"gradient_clipping": 0``.
+* ``async_pp2_dp2``: async on 4 ranks, 2 stages x 2 data-parallel replicas (20 iterations, saving at the end).
 
 Dropout is off so that an interrupted-and-resumed run can be compared digit for digit with an uninterrupted one
 (Megatron's CPU RNG restore does not reproduce dropout masks after ``--load``, with the stock engine too).
@@ -189,3 +190,19 @@ def test_async_trains_and_resumes_exactly(prepared):
     assert a.log.validation[STOP] == full.log.validation[STOP]
     assert b.log.validation[ITERS] == full.log.validation[ITERS]
     assert b.log.validation["final"] == full.log.validation["final"]
+
+
+def test_pp2_x_dp2_async_trains_with_tied_copies_checked(prepared):
+    """4 ranks: 2 stages x 2 data-parallel replicas; the tied embedding's four copies are compared at every drain
+    (``check_tied_copies``: a divergence fails the run)."""
+    out = prepared["out"]
+    run = _launch(prepared, "async_pp2_dp2", "async", ["--save", out / "pp2dp2-ckpt", "--save-interval", ITERS],
+                  nproc=4)
+    assert re.search(r"data_parallel_size \.+ 2\b", run.output) and re.search(
+        r"pipeline_model_parallel_size \.+ 2\b", run.output)
+    _assert_iteration_lines(run.log, 1, ITERS)
+    first = np.mean([run.log.loss(i) for i in range(1, 4)])
+    last = np.mean([run.log.loss(i) for i in range(ITERS - 2, ITERS + 1)])
+    assert last < first - 0.3, (first, last)
+    assert float(run.log.validation["final"]) < 6.6
+    assert _saved_by_paci(out / "pp2dp2-ckpt", ITERS)
