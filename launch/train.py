@@ -471,7 +471,7 @@ def main(argv=None):
 
         lines.append("look-ahead       " + " | ".join(
             f"stage {s['stage']}: {lookahead_text(s['lookahead'])}" for s in stats if s["dp"] == 0))
-    if nonfinite_steps or any(summary["skipped_steps_per_stage"] or {}):
+    if nonfinite_steps or any((summary["skipped_steps_per_stage"] or {}).values()):
         lines.append(f"non-finite       loss at step(s) {nonfinite_steps or 'none'}; skipped local steps per stage "
                      f"{summary['skipped_steps_per_stage']}")
     tied = [t for t in summary["tied"] or [] if t]

@@ -191,7 +191,11 @@ def resume_each(rank, folders):
         engine = mlp_engine(seed=123)
         tag, note = checkpoint.resume_tag(folder)
         path, client = engine.load_checkpoint(folder, tag=tag)
+        version = engine.weight_version
         loss = engine.train_batch(data)
         engine.drain()
-        out[folder] = {"tag": tag, "note": note, "which": client["which"], "trained": loss is None or bool(torch.isfinite(loss))}
+        # trained on: this stage stepped; the last stage's loss is finite (the other stages return the last
+        # stage's value through the side channel, NaN until the first one arrives)
+        trained = engine.weight_version > version and (not engine.is_last_stage() or bool(torch.isfinite(loss)))
+        out[folder] = {"tag": tag, "note": note, "which": client["which"], "trained": trained}
     return out

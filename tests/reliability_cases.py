@@ -7,9 +7,7 @@ Regenerate the page after changing a case:
 
     .venv/bin/python tests/reliability_cases.py > docs/reliability.md
 
-A case whose ``tests`` is ``PENDING`` is rendered as "pending" and needs no test yet (the
-non-finite-gradient rows, filled by the branch that builds that guard: replace ``PENDING``
-by the test names, adjust the behaviour text, regenerate the page).
+A case whose ``tests`` is ``PENDING`` is rendered as "pending" and needs no test yet (none is, now).
 """
 
 import ast
@@ -96,6 +94,12 @@ CASES = [
      "stage 1 calls `os._exit(3)` after one call",
      "its neighbour's next transfer fails and names rank, stage and tick",
      ["tests/test_engine.py::test_a_dead_stage_is_reported_by_its_neighbour_with_position"]),
+    ("Hangs", "a rank stuck in its own forward",
+     "stage 0's forward sleeps past `watchdog_seconds`",
+     "the watchdog says the rank is stuck in its own computation (not waiting for a stage) and exits 86; a rank "
+     "blocked on a transfer names the stage it waits for",
+     ["tests/test_nonfinite.py::test_watchdog_says_a_rank_is_stuck_in_its_own_forward",
+      "tests/test_engine.py::test_a_hang_fails_within_a_minute_and_names_rank_and_instruction"]),
     # -- bad input ---------------------------------------------------------------------------------------
     ("Bad input", "every main-job flag out of range",
      "`--log-interval 0`, `--eval-batches 0`, `--eval-interval -1`, `--save-interval -1`, `--save-interval` without "
@@ -118,13 +122,26 @@ CASES = [
      "`PACIConfigError` naming the key, the value and what is allowed (refused, not warned about)",
      ["tests/test_reliability.py::test_paci_section_bounds",
       "tests/test_reliability.py::test_bad_flags_and_keys_end_before_any_process_group"]),
-    # -- non-finite values (the branch adding the guard fills these rows) -------------------------------------
-    ("Non-finite values", "NaN in one micro-batch loss (2-stage async run)", "(to be filled by the non-finite guard)",
-     "(to be filled)", PENDING),
-    ("Non-finite values", "non-finite gradient at a stage (e.g. `lr: 1e3`)", "(to be filled by the non-finite guard)",
-     "(to be filled)", PENDING),
-    ("Non-finite values", "consecutive non-finite steps beyond the limit", "(to be filled by the non-finite guard)",
-     "(to be filled)", PENDING),
+    # -- non-finite values ----------------------------------------------------------------------------------
+    ("Non-finite values", "NaN in one micro-batch loss (2-stage async run)",
+     "a test-only wrapper makes one training micro-batch's loss NaN: on real engines (torch.optim AdamW, DeepSpeed's "
+     "configured AdamW, bf16) and in the main job (`tests/scripts/nan_job.py --nan-at 9`)",
+     "every stage skips exactly that local step (gradients zeroed, nothing applied, the LR scheduler still steps, "
+     "`was_step_applied()` False once), the weights stay finite, the last stage returns the NaN loss of that call; "
+     "the main job's progress line says `non-finite loss at step 3`, later `skipped steps 1`, it validates finite "
+     "and writes its final checkpoint",
+     ["tests/test_nonfinite.py::test_a_nan_micro_batch_is_skipped_on_every_stage_never_applied",
+      "tests/test_main_job_nonfinite.py::test_main_job_skips_a_nan_micro_batch_and_says_so"]),
+    ("Non-finite values", "non-finite weights at a save",
+     "sync mode in fp32 (DeepSpeed's engine, which applies a NaN step) with a poisoned micro-batch, then "
+     "`save_checkpoint`",
+     "refused on every rank with one line naming the stages; nothing written, `latest` not created",
+     ["tests/test_nonfinite.py::test_no_checkpoint_is_written_from_nonfinite_weights"]),
+    ("Non-finite values", "consecutive non-finite steps beyond the limit",
+     "3 stages, every micro-batch NaN from one point on, `\"paci\": {\"max_consecutive_skips\": 2}`",
+     "every rank stops with one `PACINonFiniteError` line naming itself, the stage, the step, the limit and what to "
+     "try (a lower learning rate, the data); the main job exits with code 3",
+     ["tests/test_nonfinite.py::test_consecutive_skips_stop_every_rank_with_one_line"]),
 ]
 
 

@@ -2,7 +2,9 @@
 
 Each record is a :class:`Call`: it unpacks as ``(op, ranks, peer)`` and its ``default_group``
 tells the default (world) group, which the pipeline's own transfers use, from a dedicated group
-with the same ranks.
+with the same ranks; ``group`` is a token naming the group object (:func:`group_token`), so two
+dedicated groups with the same ranks (e.g. the loss side channel and the tied exchange on two
+stages) can be told apart.
 """
 
 import contextlib
@@ -21,13 +23,14 @@ POINT_TO_POINT = ["send", "recv", "isend", "irecv"]
 class Call(tuple):
     """One recorded call: unpacks as ``(op, ranks, peer)``; ``default_group`` says whether it used the default group."""
 
-    def __new__(cls, op, ranks, peer, default_group):
+    def __new__(cls, op, ranks, peer, default_group, group=None):
         self = super().__new__(cls, (op, ranks, peer))
         self.default_group = default_group
+        self.group = group
         return self
 
     def __getnewargs__(self):  # pickling (results travel between processes)
-        return (*self, self.default_group)
+        return (*self, self.default_group, self.group)
 
     op = property(lambda self: self[0])
     ranks = property(lambda self: self[1])
@@ -36,6 +39,11 @@ class Call(tuple):
 
 def _is_default(group):
     return group is None or group is tdist.GroupMember.WORLD
+
+
+def group_token(group):
+    """``"world"`` for the default group, else a token unique to the group object within its process."""
+    return "world" if _is_default(group) else f"group@{id(group):x}"
 
 
 def _group_ranks(group):
@@ -59,7 +67,7 @@ def record_distributed_calls():
                 peer = kwargs.get("dst", kwargs.get("src"))
                 if peer is None and len(args) > 1:
                     peer = args[1]
-            calls.append(Call(name, _group_ranks(group), peer, _is_default(group)))
+            calls.append(Call(name, _group_ranks(group), peer, _is_default(group), group_token(group)))
             return fn(*args, **kwargs)
 
         return spy

@@ -9,9 +9,8 @@ import torch
 import contract_workers
 import workers
 from harness import run_world
-from mlp import layer_weights, regression_batches
-from ds_paci.core.schedule import LocalStep, PACIStream, drift_bound
-from deepspeed.runtime.pipe import schedule as ds
+from mlp import layer_weights, run_streams_by_hand
+from ds_paci.core.schedule import drift_bound
 from spy import POINT_TO_POINT, cross_stage_collectives, pipeline_transfers, side_channel_transfers
 
 
@@ -138,56 +137,17 @@ def reference_paci_mlp(P, layers, gas, window, calls, lr, stale=False, seed=7):
     weights current *at backward time* (``stale=True``: the weights of the forward, as a
     weight-stashing scheme would). The last stage's loss is scaled by ``1/window``.
     """
-    per_stage = layers // P
     W = [list(map(lambda t: t.double(), layer_weights(i, seed))) for i in range(layers)]
     gW = [[torch.zeros_like(w), torch.zeros_like(b)] for w, b in W]
-    gen = regression_batches(workers.MICRO)
-    batches, saved, acts, grads, losses = {}, {}, {}, {}, []
-    streams = [PACIStream(P, s, window) for s in range(P)]
-    schedule = [[] for _ in range(P)]
-    for _ in range(calls):
-        for s in range(P):
-            schedule[s] += streams[s].advance(2 * gas)
-    for s in range(P):
-        schedule[s] += streams[s].drain()
-    for t in range(max(map(len, schedule))):
-        for s in range(P):
-            for ins in schedule[s][t] if t < len(schedule[s]) else []:
-                m = getattr(ins, "micro_batch_id", None)
-                mine = range(s * per_stage, (s + 1) * per_stage)
-                if isinstance(ins, ds.LoadMicroBatch) and s == 0:
-                    x, y = next(gen)
-                    batches[m] = (x.double(), y.double())
-                elif isinstance(ins, ds.ForwardPass):
-                    h = batches[m][0] if s == 0 else acts[(s - 1, m)]
-                    layer_io = []
-                    for i in mine:
-                        w, b = W[i]
-                        out = torch.tanh(h @ w.T + b)
-                        layer_io.append((h, out, w.clone()))
-                        h = out
-                    saved[(s, m)] = layer_io
-                    acts[(s, m)] = h
-                    if s == P - 1:
-                        losses.append(((h - batches[m][1])**2).mean().item())
-                elif isinstance(ins, ds.BackwardPass):
-                    if s == P - 1:
-                        out, target = acts[(s, m)], batches[m][1]
-                        g = 2 * (out - target) / out.numel() / window
-                    else:
-                        g = grads.pop((s + 1, m))
-                    for i, (h_in, out, w_fwd) in zip(reversed(mine), reversed(saved.pop((s, m)))):
-                        gz = g * (1 - out * out)
-                        gW[i][0] += gz.T @ h_in
-                        gW[i][1] += gz.sum(0)
-                        g = gz @ (w_fwd if stale else W[i][0])
-                    grads[(s, m)] = g
-                elif isinstance(ins, LocalStep):
-                    for i in mine:
-                        W[i][0] -= lr * gW[i][0]
-                        W[i][1] -= lr * gW[i][1]
-                        gW[i][0].zero_()
-                        gW[i][1].zero_()
+
+    def step(s, ins, mine):
+        for i in mine:
+            W[i][0] -= lr * gW[i][0]
+            W[i][1] -= lr * gW[i][1]
+            gW[i][0].zero_()
+            gW[i][1].zero_()
+
+    losses = run_streams_by_hand(P, layers, gas, window, calls, W, gW, workers.MICRO, step, stale=stale)
     return W, losses
 
 

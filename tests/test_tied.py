@@ -8,11 +8,10 @@ import torch
 import workers
 from harness import run_world
 from spy import COLLECTIVES, POINT_TO_POINT, cross_stage_collectives
-from deepspeed.runtime.pipe import schedule as ds
-from ds_paci.core.schedule import LocalStep, PACIStream
+from ds_paci.core.schedule import PACIStream
 from ds_paci.core.tied_timing import minimal_tied_lag, tied_lag, tied_wait_violations
 from ds_paci.core.watchdog import Watchdog
-from mlp import layer_weights, regression_batches
+from mlp import layer_weights, run_streams_by_hand
 from test_engine import max_weight_diff
 
 
@@ -113,13 +112,18 @@ def owners_by_replica(results, mode):
 
 
 def check_spy(results, mode):
-    """No collective spans two stages; every cross-stage p2p that is not the pipeline's own goes to the tied group."""
+    """No collective spans two stages; every cross-stage p2p that is neither the pipeline's own nor the loss side
+    channel's goes to the tied group."""
     for r in results:
         m = r[mode]
         stage_of = m["stage_of_rank"]
         crossing = cross_stage_collectives(m["calls"], stage_of)
         assert not crossing, f"stage {m['stage']}: {crossing[:5]}"
-        tied = [c for c in m["calls"] if c.op in ("isend", "irecv")]
+        side = [c for c in m["calls"] if c.op in ("isend", "irecv")]
+        loss_channel = [c for c in side if c.group == m["loss_channel_group"]]
+        assert all(stage_of[c.peer] == len(set(stage_of.values())) - 1 or m["stage"] == len(set(stage_of.values())) - 1
+                   for c in loss_channel), "loss side channel traffic not between the last stage and another"
+        tied = [c for c in side if c.group != m["loss_channel_group"]]
         pipe = [c for c in m["calls"] if c.op in ("send", "recv")]
         assert all(c.default_group for c in pipe)
         assert {stage_of[c.peer] for c in pipe} <= {m["stage"] - 1, m["stage"] + 1}
@@ -237,28 +241,21 @@ def reference_tied_mlp(P, layers, gas, window, calls, lr, lag, seed=7):
     window gradient of the tied weight is posted, and the copy moves by the sum of both owners'
     window ``v - lag``; the last step of the segment applies every window not yet applied.
     """
-    per_stage = layers // P
     W = [[t.double().clone() for t in layer_weights(0 if i in (0, layers - 1) else i, seed)] for i in range(layers)]
     gW = [[torch.zeros_like(w), torch.zeros_like(b)] for w, b in W]
     tied_of = {0: 0, P - 1: layers - 1}  # owner stage -> its layer holding the tied copy
-    gen = regression_batches(workers.MICRO)
-    batches, saved, acts, grads = {}, {}, {}, {}
-    streams = [PACIStream(P, s, window) for s in range(P)]
-    schedule = [[] for _ in range(P)]
+    final = PACIStream(P, 0, window)
     for _ in range(calls):
-        for s in range(P):
-            schedule[s] += streams[s].advance(2 * gas)
-    for s in range(P):
-        schedule[s] += streams[s].drain()
-    final = streams[0].version
-    posted, applied = {}, set()
+        final.advance(2 * gas)
+    final.drain()
+    final = final.version
+    posted, applied, deferred = {}, set(), []
 
     def post(s, version):
         if s in tied_of:
             posted[(s, version)] = gW[tied_of[s]][0].clone()
 
-    def step(s, version):
-        mine = range(s * per_stage, (s + 1) * per_stage)
+    def step(s, version, mine):
         if s in tied_of:
             i = tied_of[s]
             due = [v for v in range(1, version + 1) if v not in applied] if version == final else (
@@ -273,49 +270,20 @@ def reference_tied_mlp(P, layers, gas, window, calls, lr, lag, seed=7):
             gW[i][0] = torch.zeros_like(gW[i][0])
             gW[i][1].zero_()
 
-    deferred = []
-    for t in range(max(map(len, schedule))):
-        for s in range(P):
-            for ins in schedule[s][t] if t < len(schedule[s]) else []:
-                m = getattr(ins, "micro_batch_id", None)
-                mine = range(s * per_stage, (s + 1) * per_stage)
-                if isinstance(ins, ds.LoadMicroBatch) and s == 0:
-                    x, y = next(gen)
-                    batches[m] = (x.double(), y.double())
-                elif isinstance(ins, ds.ForwardPass):
-                    h = batches[m][0] if s == 0 else acts[(s - 1, m)]
-                    layer_io = []
-                    for i in mine:
-                        w, b = W[i]
-                        out = torch.tanh(h @ w.T + b)
-                        layer_io.append((h, out))
-                        h = out
-                    saved[(s, m)] = layer_io
-                    acts[(s, m)] = h
-                elif isinstance(ins, ds.BackwardPass):
-                    if s == P - 1:
-                        out, target = acts[(s, m)], batches[m][1]
-                        g = 2 * (out - target) / out.numel() / window
-                    else:
-                        g = grads.pop((s + 1, m))
-                    for i, (h_in, out) in zip(reversed(mine), reversed(saved.pop((s, m)))):
-                        gz = g * (1 - out * out)
-                        gW[i][0] += gz.T @ h_in
-                        gW[i][1] += gz.sum(0)
-                        g = gz @ W[i][0]
-                    grads[(s, m)] = g
-                elif isinstance(ins, LocalStep):
-                    if ins.version == final and s in tied_of:
-                        deferred.append((s, ins.version))  # runs after the drain, as in the engine
-                    else:
-                        post(s, ins.version)
-                        step(s, ins.version)
-                        if s == P - 1 and ins.version - lag >= 1:
-                            applied.add(ins.version - lag)
-    for s, version in deferred:  # every owner posts, then applies
+    def local_step(s, ins, mine):
+        if ins.version == final and s in tied_of:
+            deferred.append((s, ins.version, mine))  # runs after the drain, as in the engine
+        else:
+            post(s, ins.version)
+            step(s, ins.version, mine)
+            if s == P - 1 and ins.version - lag >= 1:
+                applied.add(ins.version - lag)
+
+    run_streams_by_hand(P, layers, gas, window, calls, W, gW, workers.MICRO, local_step)
+    for s, version, _ in deferred:  # every owner posts, then applies
         post(s, version)
-    for s, version in deferred:
-        step(s, version)
+    for s, version, mine in deferred:
+        step(s, version, mine)
     return W
 
 

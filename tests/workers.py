@@ -342,7 +342,7 @@ def record_tied_digests(engine):
 def tied_training(rank, stages, batches, gas, window=None, bf16=False, zero_stage=0, client_optimizer=False,
                   modes=("async",), lr=3e-3):
     """Train the tied tiny GPT in each of ``modes`` (stock / sync / async) from the same init and data."""
-    from spy import record_distributed_calls
+    from spy import group_token, record_distributed_calls
     tokens = shakespeare_tokens()
     paci_of = {"stock": None, "sync": {"enabled": True, "drain_every_batch": True}, "async": {"enabled": True}}
     out = {}
@@ -374,6 +374,7 @@ def tied_training(rank, stages, batches, gas, window=None, bf16=False, zero_stag
                      "stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
                      "optimizer": type(engine.optimizer).__name__, "type": type(engine).__name__,
                      "stats_before_drain": stats_before,
+                     "loss_channel_group": group_token(engine._channel.group) if name != "stock" else None,
                      "stats": engine.paci_stats() if name != "stock" else None}
     return out
 

@@ -141,11 +141,7 @@ class Embedding(nn.Module):
         _normal_(self.wpe.weight, _INIT_STD, gen)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        seq_len = input_ids.shape[-1]
-        if seq_len > self.n_positions:
-            raise ValueError(f"sequence length {seq_len} exceeds the model's n_positions {self.n_positions}; "
-                             f"use seq_len <= {self.n_positions} or build the model with n_positions >= {seq_len}")
-        positions = torch.arange(seq_len, device=input_ids.device)
+        positions = _positions(input_ids.shape[-1], self.n_positions, input_ids.device)
         return self.drop(self.wte(input_ids) + self.wpe(positions))
 
 
@@ -180,12 +176,15 @@ class PositionEmbedding(nn.Module):
         _normal_(self.wpe.weight, _INIT_STD, gen)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        seq_len = hidden.shape[-2]
-        if seq_len > self.n_positions:
-            raise ValueError(f"sequence length {seq_len} exceeds the model's n_positions {self.n_positions}; "
-                             f"use seq_len <= {self.n_positions} or build the model with n_positions >= {seq_len}")
-        positions = torch.arange(seq_len, device=hidden.device)
-        return self.drop(hidden + self.wpe(positions))
+        return self.drop(hidden + self.wpe(_positions(hidden.shape[-2], self.n_positions, hidden.device)))
+
+
+def _positions(seq_len: int, n_positions: int, device) -> torch.Tensor:
+    """``arange(seq_len)``; a sequence longer than the model's positions is refused with the fix."""
+    if seq_len > n_positions:
+        raise ValueError(f"sequence length {seq_len} exceeds the model's n_positions {n_positions}; "
+                         f"use seq_len <= {n_positions} or build the model with n_positions >= {seq_len}")
+    return torch.arange(seq_len, device=device)
 
 
 def tied_lm_logits(embedding: TokenEmbedding, hidden: torch.Tensor) -> torch.Tensor:
