@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ds_paci-installed
+# Megatron-DeepSpeed's extra packages, for the integration test against the real program (tests/megatron).
+MEGATRON_STAMP := $(VENV)/.megatron-test-installed
 # DeepSpeed picks the accelerator (CUDA with NCCL where present, else the CPU with gloo); DS_ACCELERATOR overrides.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
@@ -48,9 +50,13 @@ train: $(STAMP)
 train-flush: CONFIG = configs/flush.json
 train-flush: train
 
-test: $(STAMP)
+$(MEGATRON_STAMP): $(STAMP) setup.py
+	$(PY) -m pip install --quiet -e '.[test,megatron-test]'
+	touch $(MEGATRON_STAMP)
+
+test: $(STAMP) $(MEGATRON_STAMP)
 	# the oldest DeepSpeed runs even when the main suite fails; either failing fails `make test`
-	$(PY) -m pytest tests -q; status=$$?; $(MAKE) test-oldest && exit $$status
+	$(PY) -m pytest tests -q --durations=15; status=$$?; $(MAKE) test-oldest && exit $$status
 
 $(OLD_STAMP): setup.py Makefile
 	test -x $(OLD_PY) || $(PYTHON) -m venv $(OLD_VENV)

@@ -70,6 +70,27 @@ def test_predictor_equals_deepspeed_fused_adam_step():
                             AdamRule.of_fused) <= 1e-6
 
 
+def test_predictor_follows_the_optimizer_through_a_checkpoint_load():
+    """``load_state_dict`` (every checkpoint load) replaces the param-group dicts and the LR scheduler then sets
+    the learning rate on the new ones: the look-ahead built before must predict with them (found by Megatron's
+    resume, tests/megatron)."""
+    params = _params(1)
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    grads = [torch.full_like(p, 0.5) for p in params]
+    la = _lookahead_for(opt, params, grads, AdamRule.of_torch)  # built once, as the engine builds it
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())  # what DeepSpeed's load_checkpoint does to the optimizer
+    for group in opt.param_groups:
+        group["lr"] = 5e-3  # what the scheduler does next
+    predicted = la.predict_next(1, 1)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    assert max((a - b).abs().max().item() for a, b in zip(predicted, params)) <= 1e-6
+
+
 def test_partial_window_and_moments_alone():
     """n < a scales the partial gradient by a/n; n = 0 uses the bias-corrected first moment; no state, no grad: None."""
     rule = AdamRule(1e-2, 0.9, 0.99, 1e-8, 0.0, decoupled=True)

@@ -236,16 +236,22 @@ class _Slot:
     ``target``: the low-precision tensor the forward reads (``None``: the master itself).
     """
 
-    __slots__ = ("master", "optimizer", "group", "rule_of", "grad", "target", "sample")
+    __slots__ = ("master", "optimizer", "group_index", "rule_of", "grad", "target", "sample")
 
     def __init__(self, master, optimizer, group, rule_of, grad, target=None):
         self.master = master
         self.optimizer = optimizer
-        self.group = group
+        # The group by position, not the dict: ``optimizer.load_state_dict`` (a checkpoint load) replaces the
+        # param-group dicts, and the LR scheduler then sets the learning rate on the new ones.
+        self.group_index = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
         self.rule_of = rule_of
         self.grad = grad
         self.target = target
         self.sample = None  # error telemetry: sum of predicted deltas on the sampled coordinates
+
+    @property
+    def group(self):
+        return self.optimizer.param_groups[self.group_index]
 
     def state(self, steps):
         """``(t, exp_avg, exp_avg_sq, max_exp_avg_sq)``; ``steps`` caches per-group step counts for one prediction."""

@@ -1,0 +1,122 @@
+"""Test-environment shims for running Megatron-DeepSpeed (4efb479d) on this CPU-only CI machine.
+
+NOT part of ds_paci, and not something a Megatron user on a GPU node needs. The integration test puts this folder
+on ``PYTHONPATH``, so Python imports this file at start-up in every process of a run (launcher and ranks);
+nothing is imported here eagerly: each shim is an import hook that acts only when Megatron (or DeepSpeed)
+imports the module concerned. No Megatron or DeepSpeed file is edited. What each shim stands in for:
+
+1. ``megatron.model.vision.knn_monitor`` -> a stub. ``megatron/training.py`` imports it at top level; the real one
+   imports torchvision and PIL (not installed here). GPT pre-training never calls it.
+2. ``deepspeed.compression.compress`` -> a stub, only where DeepSpeed lacks the module (it ships up to 0.19.4,
+   not in 0.19.5+). ``training.py`` imports it at top level; only ``--compression-training`` uses it.
+3. ``megatron.model.transformer.CoreAttention.forward`` gets contiguous query/key/value. Without flash-attn the
+   non-flash path calls ``.view()`` on strided slices of the fused QKV output and fails (fixed upstream later).
+4. ``megatron.data.indexed_dataset.MMapIndexedDatasetBuilder.add_doc`` counts tokens the sizes leave out into the
+   document's last sentence: ``tools/preprocess_data.py --append-eod`` appends the EOD to the ids but not to the
+   sentence lengths (upstream NVIDIA/Megatron-LM#431), which shifts every later document in the ``.idx``.
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+_STUBBED = "stubbed out by the ds_paci Megatron test environment (tests/megatron/env_shims)"
+
+
+def _raise(what):
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"{what} is {_STUBBED}")
+    return fail
+
+
+def _knn_monitor(module):
+    module.compute_feature_bank = _raise("knn_monitor.compute_feature_bank (needs torchvision)")
+    module.get_feature_bank = _raise("knn_monitor.get_feature_bank (needs torchvision)")
+    module.knn_predict = _raise("knn_monitor.knn_predict (needs torchvision)")
+
+
+def _compress(module):
+    module.init_compression = _raise("deepspeed.compression.compress.init_compression (DeepSpeed >= 0.19.5)")
+    module.redundancy_clean = _raise("deepspeed.compression.compress.redundancy_clean (DeepSpeed >= 0.19.5)")
+
+
+def _contiguous_attention(module):
+    forward = module.CoreAttention.forward
+
+    def contiguous_forward(self, query_layer, key_layer, value_layer, *args, **kwargs):
+        return forward(self, query_layer.contiguous(), key_layer.contiguous(), value_layer.contiguous(), *args,
+                       **kwargs)
+
+    module.CoreAttention.forward = contiguous_forward
+
+
+def _eod_sizes(module):
+    add_doc = module.MMapIndexedDatasetBuilder.add_doc
+
+    def add_doc_with_eod(self, tensor, sizes, *args, **kwargs):
+        sizes = list(sizes)
+        missing = len(tensor) - sum(sizes)
+        if missing > 0 and sizes:
+            sizes[-1] += missing
+        return add_doc(self, tensor, sizes, *args, **kwargs)
+
+    module.MMapIndexedDatasetBuilder.add_doc = add_doc_with_eod
+
+
+class _StubLoader(importlib.abc.Loader):
+    def __init__(self, fill):
+        self.fill = fill
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        self.fill(module)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the real module, then patches it."""
+
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+class _ReplaceFinder(importlib.abc.MetaPathFinder):
+    """First on sys.meta_path: modules replaced outright, or loaded as usual and then patched."""
+
+    REPLACE = {"megatron.model.vision.knn_monitor": _knn_monitor}
+    PATCH = {"megatron.model.transformer": _contiguous_attention, "megatron.data.indexed_dataset": _eod_sizes}
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.REPLACE:
+            return importlib.util.spec_from_loader(name, _StubLoader(self.REPLACE[name]))
+        if name in self.PATCH:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, self.PATCH[name])
+            return spec
+        return None
+
+
+class _FallbackFinder(importlib.abc.MetaPathFinder):
+    """Last on sys.meta_path: a stub only when no real module was found."""
+
+    FALLBACK = {"deepspeed.compression.compress": _compress}
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.FALLBACK:
+            return importlib.util.spec_from_loader(name, _StubLoader(self.FALLBACK[name]))
+        return None
+
+
+sys.meta_path.insert(0, _ReplaceFinder())
+sys.meta_path.append(_FallbackFinder())
