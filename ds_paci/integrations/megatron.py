@@ -49,19 +49,22 @@ class MegatronSetupError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------- snapshot
 def find_snapshot(shared=None):
-    """Path of the Megatron-DeepSpeed tarball: ``$DS_PACI_SHARED`` or ``<repo>/../shared``, then ``thirdparty/``.
+    """Path of the Megatron-DeepSpeed tarball under ``<shared>/thirdparty/megatron-deepspeed/``.
 
-    Raises :class:`MegatronSetupError` with the paths it looked at when there is none.
+    ``<shared>`` is ``shared`` if given, else ``$DS_PACI_SHARED``, else the first ``shared/`` folder holding the
+    snapshot in the repository itself or in one of its parent folders (the project's layout puts it next to the
+    checkout: ``<repo>/../shared``). Raises :class:`MegatronSetupError` with the paths it looked at when there is none.
     """
-    shared = Path(shared or os.environ.get("DS_PACI_SHARED") or REPO_ROOT.parent / "shared")
-    folder = shared / SNAPSHOT_DIR
-    found = sorted(glob.glob(str(folder / SNAPSHOT_GLOB)))
-    if not found:
-        raise MegatronSetupError(
-            f"no Megatron-DeepSpeed snapshot: {folder / SNAPSHOT_GLOB} matches nothing. The project expects the "
-            f"shared folder next to the repository ({REPO_ROOT.parent / 'shared'}); set DS_PACI_SHARED=<shared folder> "
-            f"if it lives elsewhere")
-    return Path(found[-1])
+    explicit = shared or os.environ.get("DS_PACI_SHARED")
+    candidates = [Path(explicit)] if explicit else [folder / "shared" for folder in (REPO_ROOT, *REPO_ROOT.parents)]
+    for candidate in candidates:
+        found = sorted(glob.glob(str(candidate / SNAPSHOT_DIR / SNAPSHOT_GLOB)))
+        if found:
+            return Path(found[-1])
+    looked = ", ".join(str(c / SNAPSHOT_DIR) for c in candidates[:3]) + (", ..." if len(candidates) > 3 else "")
+    raise MegatronSetupError(
+        f"no Megatron-DeepSpeed snapshot ({SNAPSHOT_GLOB}) in {looked}. The project expects the shared folder next "
+        f"to the repository ({REPO_ROOT.parent / 'shared'}); set DS_PACI_SHARED=<shared folder> if it lives elsewhere")
 
 
 def _sha256(path):
