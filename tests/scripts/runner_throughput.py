@@ -44,12 +44,14 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--micro", type=int, default=32)
     p.add_argument("--gas", type=int, default=4)
+    p.add_argument("--no-lookahead", action="store_true", help='PACI with "lookahead": false (default: on, as PACI\'s default)')
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="ds_paci_runner_bench_")
     base = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.gas,
             "steps_per_print": 10**6, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
-    configs = {"stock": dict(base), "paci": dict(base, paci={"enabled": True})}
+    paci = {"enabled": True, "lookahead": False} if args.no_lookahead else {"enabled": True}
+    configs = {"stock": dict(base), "paci": dict(base, paci=paci)}
     for name, cfg in configs.items():
         with open(os.path.join(tmp, f"{name}.json"), "w") as f:
             json.dump(cfg, f)
