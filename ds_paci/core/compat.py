@@ -36,6 +36,11 @@ gets the behaviour it actually has. The versions named are those whose source wa
    0.19.3 on. Sync mode is the stock engine either way; async PACI never applies the default (a global
    norm crosses stages) and says so in its start-up line only where the default clips.
 
+6. **ZeRO-1's flat-buffer layout** (:func:`zero_lookahead_problem`): the look-ahead predicts this rank's
+   partition of ZeRO-1's flat buffer from per-parameter offsets (``round_robin_bit16_offsets``) and the
+   unreduced gradients (``get_gradient_for_reduction``); DeepSpeed 0.16.0 keeps neither, so there ZeRO-1 runs
+   without the look-ahead (one log line), as for any optimizer it cannot predict.
+
 Not worked around (the stock engine fails the same way): DeepSpeed 0.18.9 builds ZeRO-1's flat parameter
 buffer without ``detach()``, so with data parallelism its step's ``all_gather`` into views of that buffer
 raises under torch 2.13 ("Output 0 of Split is a view and is being modified inplace"); 0.19.0 detaches it.
@@ -164,3 +169,10 @@ def discard_wrapper_gradients(optimizer):
     optimizer.zero_grad()
     if isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload:
         optimizer.averaged_gradients = {}
+
+
+def zero_lookahead_problem(optimizer):
+    """Why the look-ahead cannot predict this ZeRO-1 optimizer's partition on this DeepSpeed, or ``None`` (item 6)."""
+    if hasattr(optimizer, "round_robin_bit16_offsets") and hasattr(optimizer, "get_gradient_for_reduction"):
+        return None
+    return f"ZeRO-1 on DeepSpeed {DS_VERSION} (no per-parameter offsets into its flat buffer)"

@@ -101,6 +101,8 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import logger
 
+from . import compat
+
 __all__ = ["AdamRule", "LookAhead", "make_lookahead", "lookahead_for_torch_optimizer", "adam_update", "adam_moments",
            "RESTORE_MODES"]
 
@@ -584,6 +586,9 @@ def _zero_slots(opt):
         return None, "ZeRO with CPU offload (the optimizer state lives with DeepSpeedCPUAdam)"
     if getattr(opt, "partition_gradients", False):
         return None, "ZeRO stage 2 or above"
+    problem = compat.zero_lookahead_problem(opt)
+    if problem:
+        return None, problem
     inner = opt.optimizer
     rule_of = _rule_of(inner)
     slots = []
