@@ -53,10 +53,15 @@ def find_snapshot(shared=None):
 
     ``<shared>`` is ``shared`` if given, else ``$DS_PACI_SHARED``, else the first ``shared/`` folder holding the
     snapshot in the repository itself or in one of its parent folders (the project's layout puts it next to the
-    checkout: ``<repo>/../shared``). Raises :class:`MegatronSetupError` with the paths it looked at when there is none.
+    checkout: ``<repo>/../shared``), then the same for the local repository this one was cloned from (a fresh
+    clone elsewhere still finds it). Raises :class:`MegatronSetupError` with the paths it looked at when there is none.
     """
     explicit = shared or os.environ.get("DS_PACI_SHARED")
-    candidates = [Path(explicit)] if explicit else [folder / "shared" for folder in (REPO_ROOT, *REPO_ROOT.parents)]
+    if explicit:
+        candidates = [Path(explicit)]
+    else:
+        roots = [REPO_ROOT, *_local_origin()]
+        candidates = list(dict.fromkeys(folder / "shared" for root in roots for folder in (root, *root.parents)))
     for candidate in candidates:
         found = sorted(glob.glob(str(candidate / SNAPSHOT_DIR / SNAPSHOT_GLOB)))
         if found:
@@ -65,6 +70,17 @@ def find_snapshot(shared=None):
     raise MegatronSetupError(
         f"no Megatron-DeepSpeed snapshot ({SNAPSHOT_GLOB}) in {looked}. The project expects the shared folder next "
         f"to the repository ({REPO_ROOT.parent / 'shared'}); set DS_PACI_SHARED=<shared folder> if it lives elsewhere")
+
+
+def _local_origin():
+    """``[path]`` of the repository ``origin`` names when it is a folder on this machine, else ``[]``."""
+    try:
+        url = subprocess.run(["git", "-C", str(REPO_ROOT), "remote", "get-url", "origin"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    path = Path(url[len("file://"):] if url.startswith("file://") else url)
+    return [path.resolve()] if url and path.is_dir() else []
 
 
 def _sha256(path):
