@@ -7,7 +7,6 @@ import math
 import time
 
 import torch
-import torch.distributed as tdist
 
 
 def loss_ages(values, last_values):
@@ -299,7 +298,6 @@ def nonfinite_guard(rank, stages, gas, calls, bad, cases):
 
 def consecutive_skips_stop(rank, stages, gas, bad, limit):
     """NaN from micro-batch ``bad`` on: after ``limit`` skips in a row every rank stops with the guard's line."""
-    import ds_paci
     from mlp import regression_batches
     engine = _mlp_engine(stages, gas, {"enabled": True, "max_consecutive_skips": limit, "watchdog_seconds": 30})
     poison_loss(engine.module, bad, every_after=True)

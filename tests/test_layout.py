@@ -5,7 +5,6 @@ checks the graph of imports between the package's own modules.
 """
 
 import ast
-import os
 from pathlib import Path
 
 import pytest

@@ -4,8 +4,6 @@ Engine-level checks use real DeepSpeed engines; the pure tests check the predict
 against the real optimizers' own ``step()``.
 """
 
-import math
-
 import pytest
 import torch
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 
-from .config import BenchConfig, ENGINES, PACI_ENGINES, engines_in
+from .config import BenchConfig, PACI_ENGINES, engines_in
 
 
 TARGET_LOSS_FACTOR = 1.02

@@ -20,7 +20,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
-import types
 
 _STUBBED = "stubbed out by the ds_paci Megatron test environment (tests/megatron/env_shims)"
 
