@@ -323,7 +323,7 @@ def test_tied_update_equals_a_hand_written_reference(stages, window):
                        results[-1]["weights"]["tied_modules.w.linear.weight"])
 
 
-@pytest.mark.parametrize("stages,window", [(2, 1), (3, 2)], ids=["P2-a1-L2", "P3-a2-L2"])
+@pytest.mark.parametrize("stages,window", [(2, 1)], ids=["P2-a1-L2"])
 def test_tied_clipping_equals_a_hand_written_reference(stages, window):
     """Async clipping with tied layers (issue 16): each stage clips its own gradient by its own norm, each window's
     tied total is clipped by its own norm on every owner alike; the copies stay bit-identical and really clip."""

@@ -1,7 +1,6 @@
 """Per-rank bodies of the tied-weight fault, clipping and transfer tests (issue 16), run through ``harness.run_world``."""
 
 import gc
-import math
 import weakref
 
 import torch
@@ -153,7 +152,3 @@ def tied_sends_without_drain(rank, stages, gas, window, calls):
     order = [(c.op, c.peer) for c in calls_made if c.op in ("isend", "irecv") and c.group in tokens]
     return {"alive": alive, "alive_after_drain": len(sent), "order": order, "rank": engine.global_rank,
             "lag": engine.paci_stats()["tied"]["lag_windows"], "version": engine.weight_version}
-
-
-def finite(x):
-    return x is not None and math.isfinite(x)

@@ -288,12 +288,14 @@ class PACIPipelineEngine(PipelineEngine):
         super().destroy()
 
     def was_step_applied(self):
-        """False only if this stage's most recent local step was skipped (a non-finite gradient, or an overflow)."""
+        """False only if this stage's most recent local step was skipped (a non-finite gradient, or an overflow; on a
+        tied owner also a skipped tied total, see :mod:`ds_paci.core.tied`)."""
         return self._step_applied
 
     def get_global_grad_norm(self):
         """Async: this stage's own gradient norm at its last local step (after the data-parallel reduce; never
-        across stages). Sync mode: DeepSpeed's value (``None`` for a plain fp32 optimizer, as in the stock engine)."""
+        across stages; without tied weights shared with other stages, whose total is clipped apart). Sync mode:
+        DeepSpeed's value (``None`` for a plain fp32 optimizer, as in the stock engine)."""
         return self._global_grad_norm
 
     def paci_stats(self):
