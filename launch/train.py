@@ -118,6 +118,7 @@ def check_config(ds_config, world_size, stages, config_path, tie_embeddings=Fals
     """The DeepSpeed config keys the job needs, named by their keys; PACI refusals before any process starts."""
     from ds_paci.core.config import (PACIConfigError, check_accumulation_window, check_batch_keys, check_fp16,
                                      check_zero_stage, parse_paci_section)
+    from ds_paci.core.tied import zero_offload_device
     try:
         paci = parse_paci_section(ds_config.get("paci"))
         check_batch_keys(ds_config)
@@ -143,11 +144,11 @@ def check_config(ds_config, world_size, stages, config_path, tie_embeddings=Fals
             check_accumulation_window(paci.accumulation_window, gas)
         except PACIConfigError as e:
             raise UsageError(str(e)) from None
-    clip = ds_config.get("gradient_clipping", 0.0) or 0.0
-    if tie_embeddings and paci.enabled and not paci.drain_every_batch and stages > 1 and clip > 0:
-        raise UsageError(f"--tie-embeddings with \"gradient_clipping\" = {clip} in {config_path}: PACI clips "
-                         "stage-locally, which would let the two copies of the embedding drift apart; set "
-                         "\"gradient_clipping\": 0 or drop --tie-embeddings")
+    offload = zero_offload_device(ds_config)
+    if tie_embeddings and paci.enabled and not paci.drain_every_batch and stages > 1 and offload is not None:
+        raise UsageError(f"--tie-embeddings with \"zero_optimization.offload_optimizer.device\" = \"{offload}\" in "
+                         f"{config_path}: ZeRO's offloaded optimizer keeps the gradients where PACI's tied exchange "
+                         "cannot reach them; remove the offload or drop --tie-embeddings (untie the layers)")
 
 
 def check_inputs(args, world_size):

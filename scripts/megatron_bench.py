@@ -1,6 +1,7 @@
 """Side by side: Megatron-DeepSpeed's pretrain_gpt.py on the stock engine vs PACI (async), back to back.
 
     .venv/bin/python scripts/megatron_bench.py --out docs/results/megatron [--rounds 2] [--cases p2 p4-emulated p2-ckact]
+    .venv/bin/python scripts/megatron_bench.py --out docs/results/megatron-clip1 --clipping 1.0 --cases p2 p4-emulated
 
 Cases (same model, data, arguments and seed for both engines; only the DeepSpeed config differs):
 
@@ -17,8 +18,9 @@ iteration / the median of Megatron's own ``elapsed time per iteration`` over ite
 the end, so no iteration carries it); also from the fastest such iteration (less sensitive to other jobs on a
 shared machine). ``--summarize`` recomputes the summary from the logs of an earlier run. Memory: the peak resident set of the largest process of the launch
 (``wait4``), i.e. of the busiest rank. Loss: Megatron's final validation loss (``--eval-iters 8``).
-Async PACI with tied embeddings on two stages needs ``"gradient_clipping": 0``; both engines run without clipping,
-so the comparison is like for like. This CPU machine needs the test environment's shims
+``--clipping C`` sets ``"gradient_clipping": C`` for both engines (default 0: no clipping): the stock engine clips
+by the norm over the whole pipeline, async PACI each stage's own gradient by its norm and the tied embedding's
+total by its own norm (README, "Tied weights across stages"); LLM recipes, Megatron's among them, clip at 1.0. This CPU machine needs the test environment's shims
 (``tests/megatron/env_shims``: no torchvision/flash-attn, DeepSpeed >= 0.19.5); they change no number.
 """
 
@@ -50,12 +52,12 @@ CASES = {
 ENGINES = {"stock": None, "paci": {"enabled": True}}
 
 
-def launch(case, engine, data, tree, out, round_no):
+def launch(case, engine, data, tree, out, round_no, clipping=0.0):
     c = CASES[case]
     run_dir = out / "runs" / f"{case}-{engine}-r{round_no}"
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = run_dir / "ds.json"
-    cfg.write_text(json.dumps(megatron.ds_config(ENGINES[engine], micro_batch=2, global_batch=8, clipping=0.0)))
+    cfg.write_text(json.dumps(megatron.ds_config(ENGINES[engine], micro_batch=2, global_batch=8, clipping=clipping)))
     args = megatron.gpt_args(data, train_iters=c["iters"], layers=c["layers"], hidden=c["hidden"], heads=c["heads"],
                              seq=c["seq"], pipeline=c["nproc"], eval_interval=c["iters"], eval_iters=8,
                              cache_dir=run_dir / "index-cache") + c["extra"]
@@ -76,7 +78,7 @@ def launch(case, engine, data, tree, out, round_no):
     if rc != 0:
         raise SystemExit(f"{case}/{engine} round {round_no} failed (rc {rc}); see {run_dir / 'log.txt'}")
     return {"case": case, "engine": engine, "round": round_no, "wall_s": round(wall, 1), **measure(run_dir, case),
-            "peak_rss_mib": usage.ru_maxrss / 1024.0, "load_avg_1min": os.getloadavg()[0]}
+            "peak_rss_mib": usage.ru_maxrss / 1024.0, "load_avg_1min": os.getloadavg()[0], "clipping": clipping}
 
 
 def measure(run_dir, case):
@@ -86,11 +88,14 @@ def measure(run_dir, case):
         raise SystemExit(f"no iteration lines in {run_dir / 'log.txt'}")
     ms = [parsed.iterations[i]["elapsed time per iteration (ms)"] for i in sorted(parsed.iterations) if i >= 3]
     tokens_per_iteration = 8 * CASES[case]["seq"]
+    # Megatron's printed grad norm: the stock engine's over the whole pipeline, PACI's the last stage's own
+    norms = [f["grad norm"] for f in parsed.iterations.values() if f.get("grad norm")]
     return {"median_ms_per_iteration": statistics.median(ms), "min_ms_per_iteration": min(ms),
             "tokens_per_s": tokens_per_iteration / (statistics.median(ms) / 1000.0),
             "best_tokens_per_s": tokens_per_iteration / (min(ms) / 1000.0),
             "final_validation_loss": float(parsed.validation.get("final", "nan")),
-            "last_train_loss": parsed.loss(max(parsed.iterations))}
+            "last_train_loss": parsed.loss(max(parsed.iterations)),
+            "median_grad_norm": statistics.median(norms) if norms else None}
 
 
 def main():
@@ -98,6 +103,7 @@ def main():
     ap.add_argument("--out", default="docs/results/megatron")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", nargs="+", default=["p2", "p4-emulated", "p2-ckact"], choices=sorted(CASES))
+    ap.add_argument("--clipping", type=float, default=0.0, help='"gradient_clipping" for both engines (default 0)')
     ap.add_argument("--summarize", action="store_true",
                     help="no launches: re-read the logs of an earlier run in --out and rewrite the summary")
     a = ap.parse_args()
@@ -118,7 +124,7 @@ def main():
             for case in a.cases:
                 order = ["stock", "paci"] if r % 2 == 0 else ["paci", "stock"]
                 for engine in order:
-                    res = launch(case, engine, data, tree, out, r)
+                    res = launch(case, engine, data, tree, out, r, clipping=a.clipping)
                     results.append(res)
                     print(json.dumps(res), flush=True)
                     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -138,6 +144,7 @@ def main():
             **{f"{e}_final_validation_loss": [x["final_validation_loss"] for x in rows[e]] for e in ENGINES},
             **{f"{e}_peak_rss_mib_median": round(statistics.median(x["peak_rss_mib"] for x in rows[e]), 1)
                for e in ENGINES},
+            **{f"{e}_median_grad_norm": [x.get("median_grad_norm") for x in rows[e]] for e in ENGINES},
         }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

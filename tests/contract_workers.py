@@ -208,8 +208,9 @@ def rebound_engine_refusals(rank):
                               num_stages=2, loss_fn=mse, partition_method="uniform")
 
     cases = {
-        # tied layers across stages are supported; stage-local clipping with them (async) is refused
-        "tied": (tied, ds_config(2, {"enabled": True}, gradient_clipping=1.0)),
+        # tied layers across stages are supported (with clipping too); ZeRO's optimizer offload with them is refused
+        "tied": (tied, ds_config(2, {"enabled": True}, gradient_clipping=1.0,
+                                 zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}})),
         "zero2": (lambda: mlp_pipeline(2), ds_config(2, {"enabled": True}, zero_optimization={"stage": 2})),
         "bad_section": (lambda: mlp_pipeline(2), ds_config(2, {"enabled": True, "accumulation_window": 0})),
     }
@@ -348,3 +349,22 @@ def stuck_in_forward(rank):
     for _ in range(4):
         engine.train_batch(data)
     return "unreachable"
+
+
+def stage_exits_after_drain(rank, stages, calls):
+    """Every stage trains and drains; stage 1 then exits at once (its process is gone), while the last stage
+    still publishes (two more drains) and stage 0 still polls: neither may fail (the channel is best effort)."""
+    import os
+    import sys
+    from mlp import regression_batches
+    engine = _mlp_engine(stages, 2, {"enabled": True, "watchdog_seconds": 60})
+    data = regression_batches(2)
+    for _ in range(calls):
+        engine.train_batch(data)
+    engine.drain()
+    if rank == 1:
+        sys.stdout.flush()
+        os._exit(0)  # as a launcher's rank that finished: no barrier, no clean-up
+    time.sleep(3.0)  # stage 1's sockets are closed by now
+    losses = [float(engine.drain()) for _ in range(2)]  # nothing in flight: only the loss side channel talks
+    return {"losses": losses, "gone": sorted(engine._channel.gone), "sent": engine._channel.sent}

@@ -85,6 +85,12 @@ CASES = [
      "rank 1 raises its stop flag just before boundary 2 of a `StopAgreement`",
      "both ranks stop at boundary 3 with the same decision (no collective inside `train_batch`)",
      ["tests/test_reliability.py::test_stop_agreement_bound"]),
+    ("Stops", "a stage exits right after its final drain while the last stage still publishes",
+     "3 stages; after training and a drain stage 1 calls `os._exit(0)` (as a finished launcher rank), the last stage "
+     "then drains twice more (each publishes a loss on the side channel) and stage 0 polls",
+     "the message to the exited stage is dropped (`LossChannel.gone`), never raised: the last stage and stage 0 end "
+     "normally and stage 0 still receives every loss",
+     ["tests/test_loss_channel.py::test_a_stage_that_exits_after_its_drain_does_not_fail_the_last_stages_publish"]),
     # -- hangs and dead peers (earlier suites) ----------------------------------------------------------
     ("Hangs", "a stage that never joins its stream (stuck neighbour)",
      "stage 1 sleeps instead of training",
@@ -100,6 +106,14 @@ CASES = [
      "blocked on a transfer names the stage it waits for",
      ["tests/test_nonfinite.py::test_watchdog_says_a_rank_is_stuck_in_its_own_forward",
       "tests/test_engine.py::test_a_hang_fails_within_a_minute_and_names_rank_and_instruction"]),
+    ("Hangs", "the tied exchange on NCCL (ungrouped point-to-point)",
+     "NCCL's semantics modelled in `tests/nccl_model.py` (issue-order matching per pair, one stream per pair or per "
+     "group, host waits) over the exchange's program for 2 to 4 owners and lags 1 to 3, and over the transfer order "
+     "real engines record in a 50-step run",
+     "every transfer completes (owners walk peers by rank, the lower rank sends first); the former "
+     "receive-then-send order deadlocks in the same model",
+     ["tests/test_tied_faults.py::test_the_exchange_order_cannot_deadlock_under_nccl",
+      "tests/test_tied_faults.py::test_pending_tied_sends_stay_bounded_over_50_local_steps_without_a_drain"]),
     # -- bad input ---------------------------------------------------------------------------------------
     ("Bad input", "every main-job flag out of range",
      "`--log-interval 0`, `--eval-batches 0`, `--eval-interval -1`, `--save-interval -1`, `--save-interval` without "
@@ -132,6 +146,16 @@ CASES = [
      "and writes its final checkpoint",
      ["tests/test_nonfinite.py::test_a_nan_micro_batch_is_skipped_on_every_stage_never_applied",
       "tests/test_main_job_nonfinite.py::test_main_job_skips_a_nan_micro_batch_and_says_so"]),
+    ("Non-finite values", "NaN in one micro-batch loss with tied weights (2 and 4 stages, DP = 2)",
+     "the same wrapper on a tied MLP (2 stages: torch.optim AdamW, DeepSpeed's AdamW, bf16, ZeRO-1 with a resume), "
+     "a tied tiny GPT (4 stages), and PP = 2 x DP = 2 under ZeRO-1 with the NaN on one replica only; clipping on",
+     "every stage skips its own NaN window; every tied owner also skips that window's tied total, L steps later, "
+     "together (the finite flags travel with the exchange); the copies, Adam moments and step counters stay "
+     "bit-identical after every local step and after a resume, the weights finite, no collective spans two stages, "
+     "and training goes on to the end",
+     ["tests/test_tied_faults.py::test_one_nan_micro_batch_keeps_tied_copies_identical_on_every_optimizer_path",
+      "tests/test_tied_faults.py::test_four_stage_tied_gpt_trains_on_through_a_nan_with_clipping",
+      "tests/test_tied_faults.py::test_a_nan_on_one_data_parallel_replica_is_skipped_by_every_replica_and_owner"]),
     ("Non-finite values", "non-finite weights at a save",
      "sync mode in fp32 (DeepSpeed's engine, which applies a NaN step) with a poisoned micro-batch, then "
      "`save_checkpoint`",

@@ -93,12 +93,14 @@ def test_initialize_refuses_unsupported_runs_on_every_rank():
     assert '"fp16.enabled" = true' in out["fp16"] and "bf16" in out["fp16"]
     assert '"paci.accumulation_window" = 0' in out["window0"]
     assert "acumulation_window" in out["unknown"] and '"accumulation_window"' in out["unknown"]
-    # tied layers across stages are supported now; the old refusal is gone, a clipping arrangement is refused
+    # tied layers across stages are supported, with clipping too (issue 16); ZeRO's optimizer offload is refused
     assert all("no tied-weight policy" not in str(v) for v in out.values())
     assert out["tied_type"] == "PACIPipelineEngine" and out["tied_stats"]["owner_stages"] == {"w": [0, 1]}
     assert out["tied_stats"]["lag_windows"] == 1
-    assert '"gradient_clipping" = 1.0 with tied layers [\'w\'] on stages [0, 1]' in out["tied_clip"]
-    assert '"gradient_clipping": 0' in out["tied_clip"] and "untie" in out["tied_clip"]
+    assert out["tied_clip"] is None
+    assert ('"zero_optimization.offload_optimizer.device" = "cpu" with tied layers [\'w\'] on stages [0, 1]'
+            in out["tied_offload"])
+    assert "remove the offload or untie the layers" in out["tied_offload"]
     assert out["stock_type"] == "PipelineEngine" and out["disabled_type"] == "PipelineEngine"
     assert out["zero1_type"] == "PACIPipelineEngine" and out["zero1_clip"] == 0.0
     # bf16 is refused exactly on the DeepSpeed versions whose stock pipeline gets FP16_UnfusedOptimizer for it

@@ -24,3 +24,13 @@ def test_channel_delivers_every_message_in_order_and_shuts_down_with_receives_pe
     assert results[1]["notice"] == (0, 7, 3, 3) and results[2]["notice"] == (0, 7, 3, 3)
     # run_world ends each rank with a barrier and destroy_process_group(): pending receives did not hang it
     assert time.monotonic() - started < 100
+
+
+def test_a_stage_that_exits_after_its_drain_does_not_fail_the_last_stages_publish():
+    """Issue 16: the last stage's final loss message to a stage that has already exited is dropped, not raised."""
+    status, out, logs = run_world(contract_workers.stage_exits_after_drain, 3, 3, 3, timeout=150,
+                                  expect_failure=True)
+    assert status == {0: "ok", 1: "exit 0", 2: "ok"}, (status, out)
+    assert out[2]["gone"] == [1]  # the last stage found stage 1 gone and left it out
+    assert out[2]["sent"] >= 6  # 3 calls + 3 drains published, the last two after stage 1 had exited
+    assert out[0]["gone"] == [] and out[2]["losses"] == out[0]["losses"]  # stage 0 still got every message

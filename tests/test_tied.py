@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import tied_workers
 import workers
 from harness import run_world
 from spy import COLLECTIVES, POINT_TO_POINT, cross_stage_collectives
@@ -233,14 +234,22 @@ def test_a_hang_in_the_tied_exchange_is_named_by_the_watchdog():
 
 
 # -- the tied update against a hand-written reference ---------------------------------------------
-def reference_tied_mlp(P, layers, gas, window, calls, lr, lag, seed=7):
+def reference_tied_mlp(P, layers, gas, window, calls, lr, lag, seed=7, clip=0.0):
     """PACI on the tanh MLP with layer 0's weight tied to the last layer's, written out by hand (SGD).
 
     Like ``test_engine.reference_paci_mlp``; in addition the first and last stage each hold a copy
     of the tied weight (and their own bias). At an owner's step producing version ``v`` its own
     window gradient of the tied weight is posted, and the copy moves by the sum of both owners'
     window ``v - lag``; the last step of the segment applies every window not yet applied.
+    ``clip`` > 0: each stage's own gradient (without the tied weight) is scaled by
+    ``min(1, clip / (norm + 1e-6))`` of its norm, each window's tied total likewise by its own norm.
     """
+
+    def clipped(tensors):
+        norm = torch.sqrt(sum((t * t).sum() for t in tensors)).item()
+        coef = clip / (norm + 1e-6) if clip > 0 else 1.0
+        return [t * coef for t in tensors] if coef < 1.0 else tensors
+
     W = [[t.double().clone() for t in layer_weights(0 if i in (0, layers - 1) else i, seed)] for i in range(layers)]
     gW = [[torch.zeros_like(w), torch.zeros_like(b)] for w, b in W]
     tied_of = {0: 0, P - 1: layers - 1}  # owner stage -> its layer holding the tied copy
@@ -256,13 +265,16 @@ def reference_tied_mlp(P, layers, gas, window, calls, lr, lag, seed=7):
             posted[(s, version)] = gW[tied_of[s]][0].clone()
 
     def step(s, version, mine):
+        own = [g for i in mine for n, g in enumerate(gW[i]) if not (s in tied_of and i == tied_of[s] and n == 0)]
+        for g, c in zip(own, clipped(own)):
+            g.copy_(c)
         if s in tied_of:
             i = tied_of[s]
             due = [v for v in range(1, version + 1) if v not in applied] if version == final else (
                 [version - lag] if version - lag >= 1 else [])
             total = torch.zeros_like(gW[i][0])
             for v in due:
-                total += posted[(0, v)] + posted[(P - 1, v)]
+                total += clipped([posted[(0, v)] + posted[(P - 1, v)]])[0]
             gW[i][0] = total
         for i in mine:
             W[i][0] -= lr * gW[i][0]
@@ -307,5 +319,32 @@ def test_tied_update_equals_a_hand_written_reference(stages, window):
             diff_other = max(diff_other, (w - W_other[i][0]).abs().max().item())
     assert diff < 2e-6, diff
     assert diff_other > 100 * max(diff, 1e-7), "another lag must give different weights: the test would be vacuous"
+    assert torch.equal(results[0]["weights"]["tied_modules.w.linear.weight"],
+                       results[-1]["weights"]["tied_modules.w.linear.weight"])
+
+
+@pytest.mark.parametrize("stages,window", [(2, 1)], ids=["P2-a1-L2"])
+def test_tied_clipping_equals_a_hand_written_reference(stages, window):
+    """Async clipping with tied layers (issue 16): each stage clips its own gradient by its own norm, each window's
+    tied total is clipped by its own norm on every owner alike; the copies stay bit-identical and really clip."""
+    layers, gas, calls, lr, clip = 2 * stages, 2, 5, 0.2, 0.02
+    lag = tied_lag(stages, (0, stages - 1), window)
+    results = run_world(tied_workers.tied_mlp_clipping, stages, stages, layers, gas, window, calls, lr, clip,
+                        timeout=180)
+    W = reference_tied_mlp(stages, layers, gas, window, calls, lr, lag, clip=clip)
+    W_unclipped = reference_tied_mlp(stages, layers, gas, window, calls, lr, lag)
+    diff = diff_unclipped = 0.0
+    for r in results:
+        start, stop = r["layers"]
+        for i in range(start, stop):
+            prefix = "tied_modules.w" if i in (0, layers - 1) else str(i)
+            for n, name in enumerate(("weight", "bias")):
+                got = r["weights"][f"{prefix}.linear.{name}"].double()
+                diff = max(diff, (got - W[i][n]).abs().max().item())
+                diff_unclipped = max(diff_unclipped, (got - W_unclipped[i][n]).abs().max().item())
+    assert diff < 2e-6, diff
+    assert diff_unclipped > 100 * max(diff, 1e-7), "the clip never acted: the test would be vacuous"
+    for r in (results[0], results[-1]):
+        assert r["stats"]["tied"]["clipped_windows"] == r["stats"]["tied"]["windows_exchanged"] > 0
     assert torch.equal(results[0]["weights"]["tied_modules.w.linear.weight"],
                        results[-1]["weights"]["tied_modules.w.linear.weight"])

@@ -92,7 +92,7 @@ def _error_line(run):
 
 
 @pytest.mark.parametrize("case",
-                         ["missing-data", "empty-data", "seq-len", "stages", "bad-json", "no-checkpoint", "tied-clip"])
+                         ["missing-data", "empty-data", "seq-len", "stages", "bad-json", "no-checkpoint", "tied-offload"])
 def test_bad_input_gets_one_clear_line_and_nonzero_exit(tmp_path, case):
     args = ["--deepspeed_config", "configs/paci.json", "--steps", "2"]
     empty = tmp_path / "empty"
@@ -118,11 +118,12 @@ def test_bad_input_gets_one_clear_line_and_nonzero_exit(tmp_path, case):
         args += ["--checkpoint-dir", str(empty), "--resume"]
         needles = [str(empty), "holds no checkpoint"]
     else:
-        clip = tmp_path / "clip.json"
-        clip.write_text(json.dumps({**json.load(open(os.path.join(ROOT, "configs/paci.json"))), "gradient_clipping": 1.0}))
-        args[1] = str(clip)
+        offload = tmp_path / "offload.json"
+        offload.write_text(json.dumps({**json.load(open(os.path.join(ROOT, "configs/paci.json"))),
+                                       "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}))
+        args[1] = str(offload)
         args += ["--tie-embeddings"]
-        needles = ["--tie-embeddings", '"gradient_clipping" = 1.0', "drift apart", '"gradient_clipping": 0']
+        needles = ["--tie-embeddings", '"zero_optimization.offload_optimizer.device" = "cpu"', "untie the layers"]
     run = launch(args, timeout=90)
     assert run.returncode != 0
     line = _error_line(run)

@@ -284,8 +284,11 @@ def initialize_errors(rank):
                                       TiedLayerSpec("w", TiedTanhLayer, 0, 7)], num_stages=2, loss_fn=mse,
                               partition_method="uniform")
 
-    # tied layers on two stages: stage-local clipping would scale the copies differently, so it is refused
+    # tied layers on two stages: clipping is accepted (each owner scales the tied total alike); ZeRO's optimizer
+    # offload keeps gradients where the tied exchange cannot reach them, so it is refused
     out["tied_clip"] = attempt(tied_mlp(), ds_config(2, paci, gradient_clipping=1.0))
+    out["tied_offload"] = attempt(tied_mlp(), ds_config(2, paci, zero_optimization={
+        "stage": 1, "offload_optimizer": {"device": "cpu"}}))
     # accepted: tied layers across stages (PACI exchanges their gradients), the stock engine, ZeRO-1
     tied = tied_mlp()
     engine, *_ = ds_paci.initialize(model=tied, model_parameters=tied.parameters(), config=ds_config(2, paci))

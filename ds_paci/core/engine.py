@@ -46,7 +46,9 @@ Contract (see also ``docs``/README):
   sync mode.
 * Tied layers on several stages (``TiedLayerSpec``): the owners exchange their window
   gradients point to point and apply the same total ``L`` windows late, so the copies stay
-  bit-identical with no stage waiting for another; see :mod:`ds_paci.core.tied`.
+  bit-identical with no stage waiting for another, through non-finite windows (every owner skips
+  the same tied totals) and with clipping (the tied total clipped by its own norm); see
+  :mod:`ds_paci.core.tied`.
 * Refusals (:func:`ds_paci.core.config.validate_run`) run in ``__init__`` too, before
   DeepSpeed builds the optimizer, so building the class directly fails the same way.
 * Look-ahead (``paci.lookahead``, on by default in async mode; :mod:`ds_paci.core.lookahead`):
@@ -286,12 +288,14 @@ class PACIPipelineEngine(PipelineEngine):
         super().destroy()
 
     def was_step_applied(self):
-        """False only if this stage's most recent local step was skipped (a non-finite gradient, or an overflow)."""
+        """False only if this stage's most recent local step was skipped (a non-finite gradient, or an overflow; on a
+        tied owner also a skipped tied total, see :mod:`ds_paci.core.tied`)."""
         return self._step_applied
 
     def get_global_grad_norm(self):
         """Async: this stage's own gradient norm at its last local step (after the data-parallel reduce; never
-        across stages). Sync mode: DeepSpeed's value (``None`` for a plain fp32 optimizer, as in the stock engine)."""
+        across stages; without tied weights shared with other stages, whose total is clipped apart). Sync mode:
+        DeepSpeed's value (``None`` for a plain fp32 optimizer, as in the stock engine)."""
         return self._global_grad_norm
 
     def paci_stats(self):
@@ -430,6 +434,8 @@ class PACIPipelineEngine(PipelineEngine):
         if self._stock_step:
             self._exec_optimizer_step()  # DeepSpeed's step exactly (sync mode)
             applied = self._step_applied
+        elif self._tied is not None and self._tied.exchanges:
+            applied = self._tied.step()  # the stage's own gradient and the tied total, each with its verdict
         else:
             applied = guarded_step(self)
         if self._aliases is not None:

@@ -172,11 +172,11 @@ def clipping_policy(engine, stock):
 
 
 def stage_grad_norm(parameters):
-    """2-norm of the gradients of ``parameters`` (float32, on their device); tied copies a stage does not own are left out."""
-    norms = [
-        torch.linalg.vector_norm(p.grad.detach().float()) for p in parameters
-        if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
-    ]
+    """2-norm of the gradients of ``parameters`` (float32, on their device).
+
+    A tied owner's tied gradients are zero here: they are clipped and checked apart (:mod:`ds_paci.core.tied`).
+    """
+    norms = [torch.linalg.vector_norm(p.grad.detach().float()) for p in parameters if p.grad is not None]
     if not norms:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack(norms))
@@ -214,26 +214,34 @@ def skip_step(engine):
     engine.global_samples += engine.train_batch_size()
 
 
-def guarded_step(engine):
+def guarded_step(engine, before_skip=None):
     """The async local step's optimizer part, with the non-finite guard; returns True if the step was applied.
 
     Call after the data-parallel reduce. Leaves the stage's norm in ``engine._global_grad_norm``.
+    ``before_skip``: called when the step is skipped, before the LR scheduler steps (a tied owner still
+    updates its tied weights there: :mod:`ds_paci.core.tied_optimizer`).
     """
     opt = engine.optimizer
     if is_wrapped(opt):
         if not compat.wrapper_gradients_finite(opt):  # DeepSpeed < 0.19.8 would apply it: skip here
+            if before_skip is not None:
+                before_skip()
             skip_step(engine)
             engine._global_grad_norm = float("inf")
             return False
         engine._exec_optimizer_step()  # the wrapper checks its (stage-local) norm and skips on overflow
         applied = not bool(getattr(opt, "overflow", False))
         if not applied:
+            if before_skip is not None:
+                before_skip()
             step_lr(engine)
         return applied
     norm = stage_grad_norm(engine.module.parameters())
     value = float(norm)
     engine._paci_grad_norm = value
     if not math.isfinite(value):
+        if before_skip is not None:
+            before_skip()
         skip_step(engine)
         engine._global_grad_norm = value
         return False

@@ -31,6 +31,11 @@ Contract
   completed and the ``wait()`` returns at once.
 * **Shutdown.** :meth:`~LossChannel.close` drops the pending works: nothing waits on a receive that will
   never be matched, and a process can exit or destroy its process groups at any time (the tests check it).
+* **Best effort.** The channel carries information, never a result a rank depends on: a transfer to or
+  from a peer that has finished and exited (gloo: "Connection closed by peer") is dropped, that peer is
+  left out from then on (:attr:`~LossChannel.gone`), and no call of the channel raises for it. So a
+  stage that drains and exits at once never makes the last stage's final :meth:`~LossChannel.publish`
+  fail the run after all the work is done.
 """
 
 import math
@@ -111,6 +116,7 @@ class LossChannel:
         self._recvs = {s: deque() for s in range(len(self.ranks)) if s != stage}
         self._next_seq = {s: 1 for s in self._recvs}
         self._stop = None
+        self.gone = set()  # stages whose end of the channel has closed (their process exited)
         self._closed = group is None
         if not self._closed:
             for peer in self._recvs:
@@ -153,31 +159,52 @@ class LossChannel:
         for i, v in enumerate(extras):
             buf[_X + i] = _as_float(v)
         works = []
-        for peer, pending in self._sends.items():
-            work = tdist.isend(buf, dst=self.ranks[peer], group=self.group)
-            pending.append((work, buf))
-            works.append(work)
-            while len(pending) > KEEP_SENDS:
-                pending.popleft()[0].wait()  # KEEP_SENDS messages old: completed long ago
+        for peer, pending in list(self._sends.items()):
+            try:
+                work = tdist.isend(buf, dst=self.ranks[peer], group=self.group)
+                pending.append((work, buf))
+                works.append(work)
+                while len(pending) > KEEP_SENDS:
+                    pending.popleft()[0].wait()  # KEEP_SENDS messages old: completed long ago
+            except RuntimeError:
+                self._drop(peer)
         return works
+
+    def _drop(self, peer):
+        """``peer`` has exited (its end of the channel is closed): forget its transfers, never talk to it again."""
+        self.gone.add(peer)
+        self._sends.pop(peer, None)
+        self._recvs.pop(peer, None)
 
     # -- receiving ----------------------------------------------------------------------------
     def _post(self, peer):
+        if peer in self.gone:
+            return
         buf = torch.zeros(SIZE, dtype=torch.float64)
         seq = self._next_seq[peer]
         self._next_seq[peer] += 1
-        work = tdist.irecv(buf, src=self.ranks[peer], group=self.group)
+        try:
+            work = tdist.irecv(buf, src=self.ranks[peer], group=self.group)
+        except RuntimeError:
+            self._drop(peer)
+            return
         self._recvs[peer].append(_Receive(work, buf, seq))
 
     def _take(self, peer, block=False):
         """Messages from ``peer`` that have arrived (in order), re-posting a receive for each."""
         out = []
-        pending = self._recvs[peer]
+        pending = self._recvs.get(peer, ())
         while pending and (pending[0].arrived() or block):
             rec = pending.popleft()
-            rec.work.wait()
+            try:
+                rec.work.wait()
+            except RuntimeError:
+                self._drop(peer)
+                break
             out.append(rec.buf)
             self._post(peer)
+            if peer in self.gone:
+                break
             block = False
         return out
 
@@ -202,7 +229,8 @@ class LossChannel:
         Sync mode only: it drains every call, so waiting for the call's own loss costs (almost) nothing there.
         """
         newest = None
-        while not self._closed and self._stop is None and (self.latest is None or self.latest.seq < seq):
+        while (not self._closed and self._stop is None and self.last not in self.gone
+               and (self.latest is None or self.latest.seq < seq)):
             newest = self._absorb(self._take(self.last, block=True)) or newest
         return self.poll() or newest
 
@@ -218,7 +246,7 @@ class LossChannel:
         return newest
 
     def _poll_stops(self):
-        for peer in self._recvs:
+        for peer in list(self._recvs):
             if peer != self.last:
                 for buf in self._take(peer):
                     self._stop = self._stop or self._decode(buf)

@@ -10,55 +10,85 @@ point-to-point transfers of stages that step at different ticks). The policy her
   last drain) every owner posts its window-``k`` tied gradient to the other owners with
   ``isend``/``irecv`` on a dedicated process group (one per set of owner ranks, created at
   construction on every rank in the same order; never the group the pipeline's own transfers
-  use), and replaces its tied gradient by the **total of window** ``k - L``: the sum over all
-  owners, added in stage order, so every owner computes the same bits. For ``k <= L`` the total is
-  zero. ``L`` is :func:`~ds_paci.core.tied_timing.tied_lag`: the smallest lag for which the
-  pipeline's own data dependencies guarantee that the peers' window-``k - L`` gradients have been
-  posted before an owner needs them, so the wait is transport latency only, never a wait on another
-  stage (the watchdog names it if it ever hangs). Every owner then applies the same gradient to the
-  same weights with the same optimizer state, so the copies stay bit-identical after every step.
+  use), together with one **finite flag**: whether its whole window-``k`` gradient (its own
+  non-tied part and its tied contribution) was finite. It then applies the **total of window**
+  ``k - L``: the sum over all owners, added in stage order, so every owner computes the same bits.
+  For ``k <= L`` the total is zero. ``L`` is :func:`~ds_paci.core.tied_timing.tied_lag`: the
+  smallest lag for which the pipeline's own data dependencies guarantee that the peers'
+  window-``k - L`` messages have been posted before an owner needs them, so the wait is transport
+  latency only, never a wait on another stage (the watchdog names it if it ever hangs).
+* **One verdict for all owners.** The total of a window is applied only if every owner's flag says
+  finite and the total itself is finite; the inputs are identical on every owner, so is the verdict.
+  Otherwise every owner skips that window's tied update, and applies (or skips) its own non-tied
+  gradient by its own verdict, independently: :class:`~ds_paci.core.tied_optimizer.TiedOptimizer`
+  keeps the two parts of the step apart on every optimizer path, so that Adam's state and step
+  counters and the copies stay bit-identical through skips. A local step with either part skipped
+  counts as skipped (``was_step_applied()`` False, the guard's count); ``paci_stats()["tied"]``
+  counts the skipped windows.
+* **Clipping** (``gradient_clipping`` = ``c`` > 0). Each stage clips its own non-tied gradient by its
+  own norm (:mod:`ds_paci.core.local_step`); the tied total of a window, a clipping unit of its own,
+  is scaled by ``min(1, c / (||total|| + 1e-6))`` (DeepSpeed's formula), computed from the total, so
+  every owner scales it by the same factor. DeepSpeed instead scales everything by one factor from
+  the norm over all stages.
 * **Staleness.** The tied parameters are updated with gradients ``L`` windows (``L`` local steps)
   older than the rest of the model, on every owner alike; ``paci_stats()["tied"]`` reports ``L``.
+* **Transfers: NCCL-safe and bounded.** NCCL matches the point-to-point operations of a pair of
+  ranks in the order they are issued (it ignores tags), runs each ungrouped ``isend``/``irecv`` as a
+  kernel on the stream of the pair's communicator (or of the group's, in newer torch), and that
+  kernel completes only once its counterpart on the peer has run. If both owners issued "receive,
+  then send", each receive would wait for a send queued behind the other's receive: a deadlock.
+  So every owner walks its peers in ascending rank order and, with each, the lower rank sends first
+  and receives second, the higher rank the reverse (:func:`posting_order`): the two members of a
+  pair issue complementary operations in the same order, and every rank issues its exchanges in one
+  global order (window, then pair by ranks), so the earliest unfinished exchange always has both of
+  its operations at the head of the two streams: no deadlock with one stream per pair or per group.
+  ``batch_isend_irecv`` would also do, but its first call on a group must involve all of the
+  group's ranks, a collective in all but name; a gloo group would copy the tied gradient to the host
+  at every step. Memory: a send of window ``v`` is matched by the peer's receive posted at its step
+  ``v``, which the lag guarantees has happened before this owner's step ``v + L``; there every owner
+  waits on its sends of windows ``<= v`` (at once on a completed transfer; gloo frees a send only once
+  waited on), so at most ``L + 1`` sends per peer are ever pending.
 * **Data parallel.** The exchange pairs replicas with the same data-parallel (and tensor-parallel)
   coordinate, like DeepSpeed's tied groups. The tied gradients are first reduced within each
   stage's data-parallel group, then exchanged, so every replica of every owner holds the same
   total: with torch.optim/DeepSpeed's fp32 optimizer and ``BF16_Optimizer`` (fp32 ``_hp_grad``)
   the engine's own reduce runs first and the exchange follows it. DeepSpeed's ZeRO-1 optimizer
   leaves each replica only its partition of the reduced gradient, and the two stages partition the
-  tied parameter at different offsets, so there the tied gradients are averaged over the stage's
-  data-parallel group here first (an extra within-stage all-reduce of the tied parameters only),
-  exchanged, and the optimizer's reduce then averages identical values.
+  tied parameter at different offsets, so there the tied gradients (and the finite flag) are
+  averaged over the stage's data-parallel group here first (an extra within-stage all-reduce of the
+  tied parameters only); ZeRO's own reduce then carries zeros for them.
 * **Drain.** Each owner's last local step of a segment runs after the drain's last tick (nothing
   on that stage reads the weights in between): there every owner posts its last window, waits for
   the peers' (all owners have posted by then) and applies the totals of every window not yet
-  applied, summed in window order. A drained engine has exchanged and applied everything, so
-  checkpoints hold no gradient in flight (DeepSpeed saves the tied module once, from the first
-  owner, and broadcasts it on load; each stage's optimizer state, identical across owners, is saved
-  per stage as usual). In sync mode (``drain_every_batch``) a segment is one window and that
-  step uses DeepSpeed's own ``ReduceTiedGrads`` (a synchronous all-reduce at a synchronization
-  point), so sync mode is the stock engine exactly.
+  applied (each with its own verdict and factor), summed in window order. A drained engine has
+  exchanged and applied everything, so checkpoints hold no gradient in flight (DeepSpeed saves the
+  tied module once, from the first owner, and broadcasts it on load; each stage's optimizer state,
+  identical across owners, is saved per stage as usual). Sync mode with ``a = M`` is the stock
+  engine and uses DeepSpeed's own ``ReduceTiedGrads`` (a synchronous all-reduce at a
+  synchronization point).
 * **Check.** With ``"paci": {"check_tied_copies": true}`` the owners compare digests of their
   copies (weights and optimizer state) after every drain and after loading a checkpoint, through
   the same point-to-point exchange, and raise :class:`TiedCopiesDiverged` naming the key, the
   stages and what differs.
 
-Unsupported (refused at construction by :func:`tied_arrangement_problem`): stage-local gradient
-clipping (``gradient_clipping > 0``), which would scale the copies' gradients by different
-coefficients; DeepSpeed's ZeRO optimizer with a separate gradient-accumulation attribute (CPU
-offload).
+Unsupported (refused at construction by :func:`tied_arrangement_problem`): DeepSpeed's ZeRO optimizer
+with optimizer offload (its gradients live in a separate accumulation attribute).
 """
 
 import functools
 import hashlib
 import time
+from collections import deque
 
 import torch
 import torch.distributed as tdist
 
 from .schedule import LocalStep
+from .tied_optimizer import TiedOptimizer
 from .tied_timing import tied_lag
 
-__all__ = ["TiedWeights", "TiedCopiesDiverged", "tied_owner_stages", "tied_arrangement_problem"]
+__all__ = ["TiedWeights", "TiedCopiesDiverged", "tied_owner_stages", "tied_arrangement_problem", "posting_order",
+           "zero_offload_device"]
 
 _VERIFY_TAG = 1 << 30  # tags of the copy check; window exchanges use the weight version (< 2**30)
 
@@ -82,41 +112,71 @@ def tied_owner_stages(module):
     return {key: sorted(st) for key, st in sorted(stages_of.items()) if len(st) > 1}
 
 
+def zero_offload_device(ds_config):
+    """The device ZeRO offloads its optimizer to under ``ds_config`` (``"cpu"``, ``"nvme"``), or ``None``."""
+    device = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
+    return None if device is None or str(device).lower() in ("none", "null") else str(device)
+
+
 def tied_arrangement_problem(ds_config, model):
     """One line naming a tied arrangement PACI cannot keep identical, or ``None`` (same on every rank)."""
     owners = tied_owner_stages(model)
     if not owners:
         return None
-    clip = ds_config.get("gradient_clipping", 0.0) or 0.0
-    if clip > 0:
-        return (f'"gradient_clipping" = {clip} with tied layers {sorted(owners)} on stages '
-                f'{sorted({s for st in owners.values() for s in st})}: PACI clips stage-locally, which would scale '
-                f"the copies' gradients by different factors and let them drift apart; set \"gradient_clipping\": 0 "
-                "or untie the layers")
+    offload = zero_offload_device(ds_config)
+    if offload is not None:
+        return (f'"zero_optimization.offload_optimizer.device" = "{offload}" with tied layers {sorted(owners)} on '
+                f"stages {sorted({s for st in owners.values() for s in st})}: ZeRO's offloaded optimizer keeps the "
+                "gradients where PACI's tied exchange cannot reach them; remove the offload or untie the layers")
     return None
+
+
+def posting_order(me, peers):
+    """``[(op, peer)]`` in the order rank ``me`` issues one window's transfers: peers by ascending rank, with
+    each the lower rank ``"send"`` first, the higher ``"recv"`` first (see the module docstring)."""
+    out = []
+    for r in sorted(peers):
+        out += [("send", r), ("recv", r)] if me < r else [("recv", r), ("send", r)]
+    return out
+
+
+def _post_ordered(me, peers, payload, buffers, group, tag):
+    """Issue the transfers of one message to every peer in :func:`posting_order`; ``{peer: (send, recv)}``."""
+    works = {}
+    for op, r in posting_order(me, peers):
+        send, recv = works.get(r, (None, None))
+        if op == "send":
+            send = tdist.isend(payload, dst=r, group=group, tag=tag)
+        else:
+            recv = tdist.irecv(buffers[r], src=r, group=group, tag=tag)
+        works[r] = (send, recv)
+    return works
 
 
 class _Exchange:
     """The tied parameters this rank shares with one set of owner ranks, and the windows in flight."""
 
-    def __init__(self, ranks, stages, group, keys, params):
+    def __init__(self, ranks, stages, group, keys, params, me):
         self.ranks = ranks  # global ranks of the owners, in stage order
         self.stages = stages
         self.group = group
         self.keys = keys
         self.params = params
+        self.peers = sorted(r for r in ranks if r != me)
         self.numel = sum(p.numel() for p in params)
         self.device = params[0].device
-        self.pending = {}  # version -> {"own": tensor, "recv": {rank: (work, buffer)}}
+        self.pending = {}  # version -> {"own": message, "recv": {rank: (work, message)}}
+        self.sends = {r: deque() for r in self.peers}  # (version, work, message), oldest first
 
 
 class TiedWeights:
     """Engine side of the tied-weight policy for one rank (see the module docstring).
 
     Built by :meth:`create` in the engine's constructor on every rank (it creates process groups).
-    Hooks: :meth:`reduce_grads` replaces the engine's data-parallel reduce in a local step;
-    :meth:`begin_drain` / :meth:`defer` / :meth:`end_drain` move an owner's last step of a segment
-    after the drain; :meth:`verify` compares the copies; :meth:`stats` for ``paci_stats()``.
+    Hooks: :meth:`reduce_grads` replaces the engine's data-parallel reduce in a local step and
+    :meth:`step` its optimizer part on an owner; :meth:`begin_drain` / :meth:`defer` /
+    :meth:`end_drain` move an owner's last step of a segment after the drain; :meth:`verify`
+    compares the copies; :meth:`stats` for ``paci_stats()``.
     """
 
     @classmethod
@@ -128,25 +188,10 @@ class TiedWeights:
         return cls(engine, owners)
 
     def __init__(self, engine, owners):
-        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
         self.engine = engine
         self.owners = owners
-        module, grid = engine.module, engine.grid
-        opt = engine.optimizer
-        if isinstance(opt, BF16_Optimizer):
-            self.mode = "bf16"
-        elif isinstance(opt, DeepSpeedZeroOptimizer):
-            if getattr(opt, "use_grad_accum_attribute", False):
-                raise TypeError("tied layers across stages are not supported with DeepSpeed's ZeRO optimizer keeping "
-                                "gradients in a separate accumulation attribute (e.g. CPU offload); use ZeRO stage 0/1 "
-                                "without offload, or untie the layers")
-            self.mode = "zero"
-        else:
-            self.mode = "fp32"
-        self.sync = engine.paci.drain_every_batch
         self.check = engine.paci.check_tied_copies
+        module, grid = engine.module, engine.grid
         rank = engine.global_rank
         tp = grid.get_slice_parallel_world_size()
         groups = {}
@@ -167,16 +212,23 @@ class TiedWeights:
                 functools.reduce(getattr, attr.split("."), module.tied_modules[key]) for key in keys
                 for attr in module.tied_weight_attrs[key]
             ]
-            self.exchanges.append(_Exchange(ranks, stages, groups[ranks], keys, params))
-        self._grad_slot = {}
-        if self.mode == "bf16":
-            for i, group in enumerate(opt.bf16_groups):
-                for j, p in enumerate(group):
-                    self._grad_slot[id(p)] = (i, j)
+            self.exchanges.append(_Exchange(ranks, stages, groups[ranks], keys, params, rank))
+        self.optimizer = TiedOptimizer(engine, [p for ex in self.exchanges for p in ex.params])
+        if not engine._stock_step:
+            # DeepSpeed marks the later owners' tied modules (all their parameters, tied or not) as replicated so
+            # that its global norm counts them once. Async norms are stage-local and see zeros for the tied
+            # weights (TiedOptimizer.clear): a later owner must count its own non-tied parameters too.
+            for p in module.parameters():
+                if getattr(p, "ds_pipe_replicated", False):
+                    p.ds_pipe_replicated = False
+        self.mode = self.optimizer.mode
+        self._totals = None  # {id(param): total or None}, from reduce_grads for step
         self._final = None  # version of the segment's last step (set by begin_drain)
         self._deferred = None
-        self._sends = []
         self.windows_exchanged = 0
+        self.skipped_windows = 0
+        self.clipped_windows = 0
+        self.max_pending_sends = 0
         self.wait_seconds = 0.0
         self.max_wait_seconds = 0.0
         self.drain_wait_seconds = 0.0
@@ -188,119 +240,120 @@ class TiedWeights:
         window = self.engine.accumulation_window
         return max(tied_lag(self.engine.num_stages, stages, window) for stages in self.owners.values())
 
-    # -- gradients -----------------------------------------------------------------------
-    def _grad_tensor(self, p, create=False):
-        """The gradient the optimizer steps on: fp32 ``_hp_grad`` under BF16_Optimizer, else ``p.grad``."""
-        if self.mode == "bf16":
-            i, j = self._grad_slot[id(p)]
-            return self.engine.optimizer.fp32_groups_gradients[i][j]
-        if p.grad is None and create:
-            p.grad = torch.zeros_like(p)
-        return p.grad
-
-    def _read(self, ex):
-        parts = []
-        for p in ex.params:
-            g = self._grad_tensor(p)
-            parts.append(torch.zeros(p.numel(), dtype=torch.float32, device=ex.device)
-                         if g is None else g.detach().reshape(-1).float())
-        return torch.cat(parts).clone()
-
-    def _write(self, ex, flat):
-        offset = 0
-        for p in ex.params:
-            g = self._grad_tensor(p, create=True)
-            g.data.copy_(flat[offset:offset + p.numel()].view_as(g))
-            offset += p.numel()
-        if self.mode == "bf16":
-            for p in ex.params:
-                i, j = self._grad_slot[id(p)]
-                self.engine.optimizer.fp32_groups_has_gradients[i][j] = True
-
-    def _dp_mean(self, flat):
-        engine = self.engine
-        if engine.dp_world_size > 1:
-            tdist.all_reduce(flat, group=engine.grid.get_data_parallel_group())
-            flat.div_(engine.dp_world_size)
-        return flat
-
     # -- the exchange ----------------------------------------------------------------------
-    def _post(self, ex, version):
-        own = self._read(ex)
+    def _message(self, ex, stage_finite):
+        """This owner's window message: its tied gradient (DP-averaged under ZeRO) and its finite flag."""
+        own = self.optimizer.read(ex.params)
+        engine = self.engine
         if self.mode == "zero":
-            own = self._dp_mean(own)
-        recv = {}
-        me = self.engine.global_rank
-        for r in ex.ranks:
-            if r == me:
-                continue
-            buf = torch.empty(ex.numel, dtype=torch.float32, device=ex.device)
-            recv[r] = (tdist.irecv(buf, src=r, group=ex.group, tag=version), buf)
-            self._sends.append((tdist.isend(own, dst=r, group=ex.group, tag=version), own))
-        ex.pending[version] = {"own": own, "recv": recv}
+            own = torch.cat([own, own.new_tensor([0.0 if stage_finite else 1.0])])
+            if engine.dp_world_size > 1:  # the flag rides along: any replica's non-finite gradient counts
+                tdist.all_reduce(own, group=engine.grid.get_data_parallel_group())
+                own.div_(engine.dp_world_size)
+            stage_finite = bool(own[-1] == 0)
+            own = own[:-1]
+        finite = stage_finite and bool(torch.isfinite(own).all())
+        return torch.cat([own, own.new_tensor([1.0 if finite else 0.0])])
 
-    def _total(self, ex, version, in_drain):
-        """Sum over owners (in stage order) of window ``version``; waits for the peers' transfers."""
-        entry = ex.pending.pop(version)
+    def _post(self, ex, version, message):
+        buffers = {r: torch.empty_like(message) for r in ex.peers}
+        works = _post_ordered(self.engine.global_rank, ex.peers, message, buffers, ex.group, version)
+        for r, (send, recv) in works.items():
+            ex.sends[r].append((version, send, message))
+        self.max_pending_sends = max([self.max_pending_sends] + [len(q) for q in ex.sends.values()])
+        ex.pending[version] = {"own": message, "recv": {r: (works[r][1], buffers[r]) for r in ex.peers}}
+
+    def _wait(self, work, what, in_drain):
         watchdog = self.engine._watchdog
-        total = None
+        watchdog.note(what)
+        start = time.perf_counter()
+        work.wait()
+        waited = time.perf_counter() - start
+        watchdog.note(None)
+        if in_drain:
+            self.drain_wait_seconds += waited
+        else:
+            self.wait_seconds += waited
+            self.max_wait_seconds = max(self.max_wait_seconds, waited)
+
+    def _window_total(self, ex, version, in_drain):
+        """The owners' total of window ``version`` (in stage order) and the agreed verdict: total, or ``None``."""
+        entry = ex.pending.pop(version)
+        total, finite = None, True
         for r, stage in zip(ex.ranks, ex.stages):
             if r == self.engine.global_rank:
-                part = entry["own"]
+                message = entry["own"]
             else:
-                work, part = entry["recv"][r]
-                watchdog.note(f"waiting for the tied gradients of weight version {version} (keys {ex.keys}) from "
-                              f"rank {r} (stage {stage}) on the tied-weight process group")
-                start = time.perf_counter()
-                work.wait()
-                waited = time.perf_counter() - start
-                watchdog.note(None)
-                if in_drain:
-                    self.drain_wait_seconds += waited
-                else:
-                    self.wait_seconds += waited
-                    self.max_wait_seconds = max(self.max_wait_seconds, waited)
-            total = part.clone() if total is None else total.add_(part)
+                work, message = entry["recv"][r]
+                self._wait(work, f"waiting for the tied gradients of weight version {version} (keys {ex.keys}) from "
+                           f"rank {r} (stage {stage}) on the tied-weight process group", in_drain)
+            finite = finite and bool(message[-1] == 1.0)
+            total = message[:-1].clone() if total is None else total.add_(message[:-1])
         self.windows_exchanged += 1
+        if not (finite and bool(torch.isfinite(total).all())):
+            self.skipped_windows += 1
+            return None
+        clip = self.engine.gradient_clipping()
+        if clip > 0:
+            coef = float(clip) / (float(torch.linalg.vector_norm(total)) + 1e-6)
+            if coef < 1.0:
+                total.mul_(coef)
+                self.clipped_windows += 1
         return total
 
-    def _reap_sends(self, wait=False):
-        keep = []
-        for work, buf in self._sends:
-            if wait:
-                work.wait()
-            elif not work.is_completed():
-                keep.append((work, buf))
-        self._sends = keep
+    def _reap_sends(self, ex, version, final):
+        """Wait on the sends the peers have certainly received by now (window ``<= version - L``), or on all."""
+        for r, queue in ex.sends.items():
+            while queue and (final or queue[0][0] <= version - self.lag):
+                v, work, _ = queue.popleft()
+                self._wait(work, f"waiting for rank {r} to take this rank's tied gradients of weight version {v} "
+                           f"(keys {ex.keys})", in_drain=final)
+
+    def _due_total(self, ex, version, final):
+        """The total this step applies for ``ex`` (zeros when nothing is due yet), or ``None`` when skipped."""
+        lag = self.lag
+        due = sorted(ex.pending) if final else [v for v in sorted(ex.pending) if v <= version - lag]
+        if len(due) > (lag + 1 if final else 1):
+            raise RuntimeError(f"tied exchange out of step: windows {due} pending at version {version}")
+        if not due:  # the first L steps of a segment
+            return torch.zeros(ex.numel, dtype=torch.float32, device=ex.device)
+        applied = None
+        for v in due:
+            t = self._window_total(ex, v, in_drain=final)
+            if t is not None:
+                applied = t if applied is None else applied.add_(t)
+        return applied
 
     # -- hooks -------------------------------------------------------------------------------
     def reduce_grads(self, version):
         """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
         engine = self.engine
         final = version == self._final
-        lag = self.lag
-        if final and self.sync and not any(ex.pending for ex in self.exchanges):
-            # sync mode: the segment is this one window; DeepSpeed's own tied all-reduce, then its DP reduce
-            engine._exec_reduce_tied_grads()
+        if self.mode != "zero" or not self.exchanges:
             engine._exec_reduce_grads()
+        if not self.exchanges:
             return
-        if self.mode != "zero":
-            engine._exec_reduce_grads()
+        stage_finite = self.optimizer.stage_gradient_finite()
+        self._totals = {}
         for ex in self.exchanges:
-            self._post(ex, version)
-            due = sorted(ex.pending) if final else [v for v in sorted(ex.pending) if v <= version - lag]
-            if len(due) > (lag + 1 if final else 1):
-                raise RuntimeError(f"tied exchange out of step: windows {due} pending at version {version}")
-            total = None
-            for v in due:
-                t = self._total(ex, v, in_drain=final)
-                total = t if total is None else total.add_(t)
-            if total is None:  # the first L steps of a segment: nothing due yet
-                total = torch.zeros(ex.numel, dtype=torch.float32, device=ex.device)
-            self._write(ex, total)
+            self._post(ex, version, self._message(ex, stage_finite))
+            self.optimizer.clear(ex.params)
+            total = self._due_total(ex, version, final)
+            offset = 0
+            for p in ex.params:
+                self._totals[id(p)] = None if total is None else total[offset:offset + p.numel()]
+                offset += p.numel()
+            self._reap_sends(ex, version, final)
         if self.mode == "zero":
             engine._exec_reduce_grads()
-        self._reap_sends(wait=final)
+
+    def step(self):
+        """An owner's optimizer part of the local step (after :meth:`reduce_grads`); True if nothing was skipped."""
+        totals, self._totals = self._totals, None
+        stage_applied, tied_applied = self.optimizer.step(totals)
+        applied = stage_applied and tied_applied
+        self.engine._step_applied = applied
+        return applied
 
     def begin_drain(self, ticks):
         """Called with the drain's ticks before they run: the segment's last step will be deferred."""
@@ -343,38 +396,9 @@ class TiedWeights:
             for n, p in enumerate(ex.params):
                 name = f"{'+'.join(ex.keys)}.{n}"
                 out[f"{name}.weight"] = p.detach().float().cpu().clone()
-                for state_key, value in self._optimizer_state(p).items():
+                for state_key, value in self.optimizer.state_of(p).items():
                     out[f"{name}.{state_key}"] = value
         return out
-
-    def _optimizer_state(self, p):
-        engine, opt = self.engine, self.engine.optimizer
-        if self.mode == "fp32":
-            aliases = engine._aliases
-            key = p
-            if aliases is not None:
-                key = next((alias for q, alias in aliases.pairs if q is p), p)
-            state = opt.state.get(key, {})
-            return {k: v.detach().float().cpu().clone() for k, v in sorted(state.items()) if torch.is_tensor(v)}
-        # flat fp32 master partitions: every replica gathers the same keys, in the same order
-        inner = opt.optimizer
-        keys = sorted({k for st in inner.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
-        out = {"master": self._full_hp(p, None)}
-        for k in keys:
-            out[k] = self._full_hp(p, k)
-        return out
-
-    def _full_hp(self, p, key):
-        buf = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-        mapping = getattr(p, "_hp_mapping", None)
-        if mapping is not None:
-            frag = mapping.hp_fragment if key is None else getattr(mapping, "optim_fragment", {}).get(key)
-            if frag is not None:
-                address = mapping.lp_fragment_address
-                buf.narrow(0, address.start, address.numel).copy_(frag.detach().reshape(-1).float())
-        if self.engine.dp_world_size > 1:
-            tdist.all_reduce(buf, group=self.engine.grid.get_data_parallel_group())
-        return buf.view_as(p).cpu()
 
     def verify(self, when):
         """Compare digests of the copies with every peer owner (point to point); raise if any differs."""
@@ -385,15 +409,12 @@ class TiedWeights:
             weights = _digest({k: v for k, v in snap.items() if k.startswith(prefix) and k.endswith(".weight")})
             state = _digest({k: v for k, v in snap.items() if k.startswith(prefix) and not k.endswith(".weight")})
             mine = torch.tensor(weights + state, dtype=torch.int64, device=ex.device)
-            works, theirs = [], {}
-            for r in ex.ranks:
-                if r != me:
-                    theirs[r] = torch.empty_like(mine)
-                    works.append(tdist.irecv(theirs[r], src=r, group=ex.group, tag=_VERIFY_TAG))
-                    works.append(tdist.isend(mine, dst=r, group=ex.group, tag=_VERIFY_TAG))
+            theirs = {r: torch.empty_like(mine) for r in ex.peers}
+            works = _post_ordered(me, ex.peers, mine, theirs, ex.group, _VERIFY_TAG)
             self.engine._watchdog.note(f"comparing the tied copies {ex.keys} with ranks {list(ex.ranks)}")
-            for w in works:
-                w.wait()
+            for send, recv in works.values():
+                recv.wait()
+                send.wait()
             self.engine._watchdog.note(None)
             for r, other in theirs.items():
                 what = [name for name, sl in (("weights", slice(0, 4)), ("optimizer state", slice(4, 8)))
@@ -414,7 +435,12 @@ class TiedWeights:
             "lag_windows": self.lag,
             "gradient_path": self.mode,
             "pending_windows": sorted({v for ex in self.exchanges for v in ex.pending}),
+            "pending_sends": max([0] + [len(q) for ex in self.exchanges for q in ex.sends.values()]),
+            "max_pending_sends": self.max_pending_sends,
             "windows_exchanged": self.windows_exchanged,
+            "skipped_windows": self.skipped_windows,
+            "clipped_windows": self.clipped_windows,
+            "fault_steps": self.optimizer.fault_steps,
             "wait_seconds": self.wait_seconds,
             "max_wait_seconds": self.max_wait_seconds,
             "drain_wait_seconds": self.drain_wait_seconds,

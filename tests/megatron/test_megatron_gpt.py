@@ -14,7 +14,8 @@ Launches (each one process group; the tests share them):
   ``--checkpoint-activations`` (recomputation is exact with dropout off, so the stock run without it is the
   reference); stops at iteration 10 (``--exit-interval``, saving), then resumes with ``--load`` to 20.
 * ``async`` (20 iterations), ``async_a`` + ``async_b`` (stop at 10, resume): ``"paci": {"enabled": true}``.
-  Async PACI refuses clipping with tied layers on two stages, so these configs set ``"gradient_clipping": 0``.
+  Every launch clips at 1.0 (``"gradient_clipping": 1.0``, LLM recipes' value): async PACI clips each stage by its
+  own norm and the tied embedding's total by its own norm, the copies checked identical at every drain.
 * ``async_pp2_dp2``: async on 4 ranks, 2 stages x 2 data-parallel replicas (20 iterations, saving at the end).
 
 Dropout is off so that an interrupted-and-resumed run can be compared digit for digit with an uninterrupted one
@@ -86,7 +87,7 @@ def _launch(prepared, name, mode, extra=(), nproc=2):
     if name not in runs:
         out = prepared["out"] / name
         out.mkdir()
-        config = megatron.ds_config(PACI[mode], clipping=0.0 if mode == "async" else 1.0)
+        config = megatron.ds_config(PACI[mode], clipping=1.0)
         (out / "ds.json").write_text(json.dumps(config))
         args = megatron.gpt_args(prepared["data"], train_iters=ITERS, cache_dir=out / "index-cache") + NO_DROPOUT
         extra = [str(x) for x in extra]
