@@ -30,9 +30,22 @@ point-to-point transfers of stages that step at different ticks). The policy her
   exchanged, and the optimizer's reduce then averages identical values.
 * **Drain.** Each owner's last local step of a segment runs after the drain's last tick (nothing
   on that stage reads the weights in between): there every owner posts its last window, waits for
-  the peers' (all owners have posted by then) and applies the totals of every window not yet
-  applied, summed in window order. A drained engine has exchanged and applied everything, so
-  checkpoints hold no gradient in flight (DeepSpeed saves the tied module once, from the first
+  the peers' (all owners have posted by then). A drain that closes the accumulation window
+  (``drain()``, a change of the batch size) then applies the totals of every window not yet
+  applied, summed in window order. A drain that carries the window (evaluation, checkpoints;
+  ``begin_drain(..., carry=True)``) applies only what a normal step applies: the last ``L``
+  windows stay pending into the next segment, so the tied weights see the same windows at the
+  same steps however often the run is drained. The step is deferred there only when it closes
+  the segment's last micro-batch: with backward passes after it, the streams' own dependencies
+  cover its wait (the lag rule of :mod:`~ds_paci.core.tied_timing` holds for every step that has a
+  later micro-batch in its segment, whatever the carried fill), and deferring it would let those
+  backward passes join the window it steps. At the end of such a drain every owner waits for the
+  pending receives (all posted by then), so nothing is in flight across a drain; a checkpoint then
+  keeps the pending windows (:mod:`ds_paci.core.window_state`).
+  A drain that closes the window and has a step of its own has exchanged and applied everything
+  (a closing drain with no step, e.g. ``drain()`` right after an evaluation, leaves the windows
+  pending for the next step, and a checkpoint keeps them). Checkpoints never hold a transfer in
+  flight (DeepSpeed saves the tied module once, from the first
   owner, and broadcasts it on load; each stage's optimizer state, identical across owners, is saved
   per stage as usual). In sync mode (``drain_every_batch``) a segment is one window and that
   step uses DeepSpeed's own ``ReduceTiedGrads`` (a synchronous all-reduce at a synchronization
@@ -55,6 +68,8 @@ import time
 import torch
 import torch.distributed as tdist
 
+from deepspeed.runtime.pipe.schedule import BackwardPass
+
 from .schedule import LocalStep
 from .tied_timing import tied_lag
 
@@ -65,6 +80,16 @@ _VERIFY_TAG = 1 << 30  # tags of the copy check; window exchanges use the weight
 
 class TiedCopiesDiverged(RuntimeError):
     """The copies of a tied parameter differ between owning stages (raised by the copy check)."""
+
+
+class Received:
+    """A receive that has completed (waited for at a drain, or a pending window restored from a checkpoint)."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
 
 
 def tied_owner_stages(module):
@@ -173,7 +198,9 @@ class TiedWeights:
             for i, group in enumerate(opt.bf16_groups):
                 for j, p in enumerate(group):
                     self._grad_slot[id(p)] = (i, j)
-        self._final = None  # version of the segment's last step (set by begin_drain)
+        self._final = None  # version of the segment's last step, when deferred (set by begin_drain)
+        self._carry = False  # the current drain carries pending windows into the next segment
+        self._last_lag = None  # the lag of the previous step
         self._deferred = None
         self._sends = []
         self.windows_exchanged = 0
@@ -277,7 +304,8 @@ class TiedWeights:
     def reduce_grads(self, version):
         """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
         engine = self.engine
-        final = version == self._final
+        deferred = version == self._final
+        final = deferred and not self._carry  # the step that applies every window not yet applied
         lag = self.lag
         if final and self.sync and not any(ex.pending for ex in self.exchanges):
             # sync mode: the segment is this one window; DeepSpeed's own tied all-reduce, then its DP reduce
@@ -289,23 +317,40 @@ class TiedWeights:
         for ex in self.exchanges:
             self._post(ex, version)
             due = sorted(ex.pending) if final else [v for v in sorted(ex.pending) if v <= version - lag]
-            if len(due) > (lag + 1 if final else 1):
+            # one window per step; after the lag shrank (a new window, set_train_batch_size) the first step catches up
+            if len(due) > (lag + 1 if final else 1 + max(0, (self._last_lag or lag) - lag)):
                 raise RuntimeError(f"tied exchange out of step: windows {due} pending at version {version}")
             total = None
             for v in due:
-                t = self._total(ex, v, in_drain=final)
+                t = self._total(ex, v, in_drain=deferred)
                 total = t if total is None else total.add_(t)
             if total is None:  # the first L steps of a segment: nothing due yet
                 total = torch.zeros(ex.numel, dtype=torch.float32, device=ex.device)
             self._write(ex, total)
         if self.mode == "zero":
             engine._exec_reduce_grads()
+        self._last_lag = lag
         self._reap_sends(wait=final)
 
-    def begin_drain(self, ticks):
-        """Called with the drain's ticks before they run: the segment's last step will be deferred."""
-        versions = [i.version for tick in ticks for i in tick if isinstance(i, LocalStep)]
-        self._final = max(versions) if versions and self.exchanges else None
+    def begin_drain(self, ticks, carry=False):
+        """Called with the drain's ticks before they run: the segment's last step will be deferred.
+
+        ``carry``: the drain leaves the accumulation window open and the exchange keeps its last ``L`` windows
+        pending; the last step is then deferred only if no backward pass follows it (see the module docstring).
+        """
+        self._carry = carry
+        self._final = None
+        if not self.exchanges:
+            return
+        last, after = None, False
+        for tick in ticks:
+            for i in tick:
+                if isinstance(i, LocalStep):
+                    last, after = i.version, False
+                elif isinstance(i, BackwardPass):
+                    after = True
+        if last is not None and not (carry and after):
+            self._final = last
 
     def defer(self, cmd):
         """True when ``cmd`` is this owner's last step of the segment: it runs in :meth:`end_drain` instead."""
@@ -321,15 +366,37 @@ class TiedWeights:
         try:
             if cmd is not None:
                 watchdog.enter(cmd, tick)
-                run_step(cmd.version)
-            leftover = [v for ex in self.exchanges for v in ex.pending]
-            if leftover:
-                raise RuntimeError(f"tied gradients of versions {leftover} were not applied at the drain")
+                run_step(cmd)
+            if self._carry or cmd is None:  # nothing to apply them with: they stay pending for the next step
+                self._settle()
+            else:
+                leftover = [v for ex in self.exchanges for v in ex.pending]
+                if leftover:
+                    raise RuntimeError(f"tied gradients of versions {leftover} were not applied at the drain")
             if self.check:
                 self.verify("after a drain")
         finally:
             watchdog.idle()
             self._final = None
+            self._carry = False
+
+    def _settle(self):
+        """After a drain that carries windows: wait for the pending receives (all posted by now) and the sends."""
+        watchdog = self.engine._watchdog
+        for ex in self.exchanges:
+            for version, entry in sorted(ex.pending.items()):
+                for r, (work, buf) in list(entry["recv"].items()):
+                    if isinstance(work, Received):
+                        continue
+                    watchdog.enter("the tied exchange at the end of a drain", self.engine._stream.ticks_emitted)
+                    watchdog.note(f"waiting for the tied gradients of weight version {version} (keys {ex.keys}) "
+                                  f"from rank {r}")
+                    start = time.perf_counter()
+                    work.wait()
+                    self.drain_wait_seconds += time.perf_counter() - start
+                    watchdog.idle()
+                    entry["recv"][r] = (Received(), buf)  # a gloo receive must not be waited for twice
+        self._reap_sends(wait=True)
 
     # -- the copy check --------------------------------------------------------------------------
     def snapshot(self):
