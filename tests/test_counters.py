@@ -14,7 +14,8 @@ import pytest
 import counter_workers
 from harness import run_world
 from ds_paci.core import compat
-from ds_paci.core.collective_guard import ENV, check_reason
+
+ENV = "DS_PACI_CHECK_COLLECTIVES"  # ds_paci.core.collective_guard.ENV, spelled out: it is part of the contract
 
 
 def assert_same_weights(a, b, what):
@@ -124,6 +125,8 @@ def test_a_cross_stage_collective_in_a_local_step_is_refused_with_one_line():
 
 
 def test_when_the_collective_check_runs():
+    from ds_paci.core.collective_guard import ENV as env, check_reason
+    assert env == ENV
     newest = compat.SUPPORTED[1]
     assert check_reason(newest, {}) is None  # the newest tested version: not checked
     newer = f"{newest.major}.{newest.minor}.{newest.micro + 1}"

@@ -50,7 +50,7 @@ Contract (see also ``docs``/README):
   the end of the call, as DeepSpeed's ``OptimizerStep`` does. Async mode: clipping by
   each stage's own norm when ``gradient_clipping`` is set, none when the key is absent
   (said in the start-up log line); a local step whose gradient is not finite is skipped
-  (the scheduler still steps), ``was_step_applied()`` says so, and
+  (the scheduler still follows its rule), ``was_step_applied()`` says so, and
   ``paci.max_consecutive_skips`` skips in a row stop every rank (:mod:`ds_paci.core.guard`).
 * On a DeepSpeed newer than the newest tested (or with ``DS_PACI_CHECK_COLLECTIVES=1``), the first
   async local step runs under :class:`~ds_paci.core.collective_guard.StageCollectiveGuard`: a

@@ -6,13 +6,14 @@ DeepSpeed keeps them equal with a blocking all-reduce of their gradients at ever
 collective spanning those stages, which PACI never runs (it deadlocks against the blocking
 point-to-point transfers of stages that step at different ticks). The policy here:
 
-* **Exchange.** At its local step producing window ``k`` (of the current segment, i.e. since the
-  last drain) every owner posts its window-``k`` tied gradient to the other owners with
+* **Exchange.** At its local step producing window ``k`` (windows are numbered by weight version;
+  a drain that closes the window applies everything, so counting restarts there in effect) every
+  owner posts its window-``k`` tied gradient to the other owners with
   ``isend``/``irecv`` on a dedicated process group (one per set of owner ranks, created at
   construction on every rank in the same order; never the group the pipeline's own transfers
   use), and replaces its tied gradient by the **total of window** ``k - L``: the sum over all
-  owners, added in stage order, so every owner computes the same bits. For ``k <= L`` the total is
-  zero. ``L`` is :func:`~ds_paci.core.tied_timing.tied_lag`: the smallest lag for which the
+  owners, added in stage order, so every owner computes the same bits. When no window ``k - L`` is
+  pending (the first ``L`` steps, or after a closing drain) the total is zero. ``L`` is :func:`~ds_paci.core.tied_timing.tied_lag`: the smallest lag for which the
   pipeline's own data dependencies guarantee that the peers' window-``k - L`` gradients have been
   posted before an owner needs them, so the wait is transport latency only, never a wait on another
   stage (the watchdog names it if it ever hangs). Every owner then applies the same gradient to the
