@@ -295,7 +295,16 @@ class PACIPipelineEngine(PipelineEngine):
         if saved is None:  # not a ds_paci checkpoint: the stream goes on from where it was, window closed
             self._stream.window_fill = 0
             return
+        saved_window = saved["stream"].get("window", self._stream.window)
+        if saved["stream"].get("window_fill") and saved_window != self._stream.window:
+            raise window_state.WindowStateError(
+                f"checkpoint {folder} was saved with an open accumulation window ({saved['stream']['window_fill']} of "
+                f"{saved_window} backward passes); this run's window is {self._stream.window}: resume with "
+                f"accumulation window {saved_window}, or save a checkpoint whose windows are closed (engine.drain() "
+                "right before save_checkpoint)")
         self._stream.load_state_dict(saved["stream"])
+        if self._stream.micro_batches != self.micro_batches:  # resumed with another batch size: the rule's unit
+            self._stream.set_micro_batches(self.micro_batches)
         self.telemetry.version = self._stream.version
         state = window_state.read(self, folder)
         if state is not None:

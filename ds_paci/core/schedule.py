@@ -343,7 +343,8 @@ class PACIStream:
         if self.in_flight() or self.segment_tick:
             raise RuntimeError("state_dict() of a stream that is not drained; call drain() first")
         return {"next_micro_batch": self.segment_base, "version": self.version, "ticks_emitted": self.ticks_emitted,
-                "window_fill": self.window_fill, "micro_batches": self.micro_batches, "lr_count": self.lr_count,
+                "window": self.window, "window_fill": self.window_fill, "micro_batches": self.micro_batches,
+                "lr_count": self.lr_count,
                 "applied": self._applied, "lr_base": self._lr_base}
 
     def load_state_dict(self, state):
