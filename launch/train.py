@@ -336,7 +336,7 @@ def main(argv=None):
         nonlocal eval_seconds
         t0 = time.perf_counter()
         if is_paci:
-            engine.drain()
+            engine.drain(close_window=False)  # evaluation never adds a local step
         losses = []
         for i in range(args.eval_batches):
             group = val_batches[i * gas:(i + 1) * gas]
@@ -362,7 +362,7 @@ def main(argv=None):
         reporter.say(f"step {step:>6}/{args.steps} | stopping: {decision.describe()}; every rank stops after step "
                      f"{step}")
         if is_paci:
-            engine.drain()
+            engine.drain(close_window=False)  # a resume continues exactly where this stops
         if args.checkpoint_dir and saved_step != step:
             save(step)
         reporter.record(event="stop", step=step, reason=decision.describe(), exit_code=decision.exit_code)

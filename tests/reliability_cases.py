@@ -57,6 +57,15 @@ CASES = [
      "loads the same weights (DeepSpeed's layout is kept); `ds_paci.save_checkpoint(engine, ...)` makes the stock "
      "engine's saves atomic too",
      ["tests/test_reliability.py::test_deepspeed_layout_and_stock_engine_interplay"]),
+    ("Checkpoints", "a save while an accumulation window is open",
+     "`a` = 3 with `M` = 1 (4 stages, tied weights) and `M` = 2 (2 stages x 2 replicas, every optimizer path): "
+     "`save_checkpoint` after a call count `a` does not divide, then a fresh engine with another init loads it",
+     "the save adds no optimizer step; each rank's open-window gradients (and a tied owner's pending windows) are "
+     "saved beside DeepSpeed's files and restored, so the resumed run's losses, counters and weights equal the "
+     "uninterrupted run's bit for bit (bf16 without ZeRO: restored in place; DeepSpeed 0.19.8 cannot load its own "
+     "`BF16_Optimizer` checkpoints, stock engine too)",
+     ["tests/test_counters.py::test_counters_follow_calls_and_drains_add_no_step",
+      "tests/test_counters.py::test_every_optimizer_path_passes_the_collective_check_and_resumes_an_open_window"]),
     # -- stops ---------------------------------------------------------------------------------------
     ("Stops", "SIGTERM to one rank of the main job",
      "`kill -TERM` to stage 1 only",
@@ -114,6 +123,16 @@ CASES = [
      "receive-then-send order deadlocks in the same model",
      ["tests/test_tied_faults.py::test_the_exchange_order_cannot_deadlock_under_nccl",
       "tests/test_tied_faults.py::test_pending_tied_sends_stay_bounded_over_50_local_steps_without_a_drain"]),
+    ("Hangs", "a collective spanning stages inside a local step (a DeepSpeed newer than the newest tested)",
+     "`BF16_Optimizer` handed the pipeline's own grid back (its norm all-reduce spans both stages), with the check "
+     "forced by `DS_PACI_CHECK_COLLECTIVES=1`; the same check on the real first local step of torch.optim, "
+     "DeepSpeed's AdamW, `BF16_Optimizer` and ZeRO-1 with 2 data-parallel replicas",
+     "refused before the collective is entered, with one `CrossStageCollectiveError` line naming the rank, the "
+     "collective, the group's ranks and stages and the fix; every rank ends with an error, none hangs (without "
+     "the check both ranks hang until the watchdog, exit 86); the real steps pass and record only their stage's "
+     "groups",
+     ["tests/test_counters.py::test_a_cross_stage_collective_in_a_local_step_is_refused_with_one_line",
+      "tests/test_counters.py::test_every_optimizer_path_passes_the_collective_check_and_resumes_an_open_window"]),
     # -- bad input ---------------------------------------------------------------------------------------
     ("Bad input", "every main-job flag out of range",
      "`--log-interval 0`, `--eval-batches 0`, `--eval-interval -1`, `--save-interval -1`, `--save-interval` without "

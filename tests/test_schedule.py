@@ -174,3 +174,117 @@ def test_stream_state_round_trip_and_window_change():
         PACIStream(4, 1, 0)
     with pytest.raises(ValueError):
         PACIStream(4, 4, 1)
+
+
+# -- windows carried across drains, and the learning-rate rule (issue 16, item 6) -------------------
+DRAIN_PATTERNS = [(), (1,), (1, 1, 1), (2, 3), (3, 1, 2)]
+
+
+def carried_run(P, M, a, pattern, calls):
+    """Per stage: segments of a stream drained without closing the window after the calls listed in ``pattern``
+    (cumulative call counts where a drain happens), then closed at the end."""
+    streams = [PACIStream(P, s, a, M) for s in range(P)]
+    segments = [[[]] for _ in range(P)]
+    drains = set(itertools.accumulate(pattern))
+    for c in range(1, calls + 1):
+        for s, st in enumerate(streams):
+            segments[s][-1].extend(st.advance(2 * M))
+            if c in drains and c < calls:
+                segments[s][-1].extend(st.drain(close_window=False))
+                segments[s].append([])
+    for s, st in enumerate(streams):
+        segments[s][-1].extend(st.drain())
+    return streams, segments
+
+
+def steps_after(ticks):
+    """(micro-batch whose backward precedes each local step, its lr_steps), in stream order."""
+    out, last = [], None
+    for tick in ticks:
+        for i in tick:
+            if isinstance(i, ds.BackwardPass):
+                last = i.micro_batch_id
+            elif isinstance(i, LocalStep):
+                out.append((last, i.lr_steps))
+    return out
+
+
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_carried_windows_step_after_every_a_backwards_however_often_the_stream_is_drained(P):
+    """Draining (evaluation, checkpoints) adds no local step: the steps follow the same micro-batches as an undrained
+    stream, each segment validates with its carried fill, and the forwards' tags stay truthful."""
+    calls = 9
+    for M, a in itertools.product(range(1, 5), range(1, 6)):
+        _, reference = carried_run(P, M, a, (), calls)
+        for pattern in DRAIN_PATTERNS[1:]:
+            streams, segments = carried_run(P, M, a, pattern, calls)
+            for s in range(P):
+                assert steps_after(flat(segments[s])) == steps_after(flat(reference[s])), (P, M, a, pattern, s)
+                version, fill = 0, 0
+                for k, seg in enumerate(segments[s]):
+                    last = k == len(segments[s]) - 1
+                    errors = stream_violations(seg, P, s, a, start_version=version, start_fill=fill,
+                                               expect_closed=last)
+                    assert not errors, (P, M, a, pattern, s, errors[:3])
+                    backs = sum(isinstance(i, ds.BackwardPass) for t in seg for i in t)
+                    steps = sum(isinstance(i, LocalStep) for t in seg for i in t)
+                    fill = 0 if last else (fill + backs) - a * steps
+                    version += steps
+                    assert 0 <= fill < a
+            result = simulate([flat(seg) for seg in segments])
+            assert result.deadlock is None and not result.mismatches
+
+
+def test_the_learning_rate_rule_counts_one_scheduler_step_per_m_micro_batches_stepped():
+    # a = M: one scheduler step per local step (the stock engine's count, today's behaviour)
+    for P, M in [(2, 4), (4, 1), (3, 2)]:
+        _, segs = carried_run(P, M, M, (2, 1), 6)
+        assert all(n == 1 for s in range(P) for _, n in steps_after(flat(segs[s])))
+    # a != M: after each local step the count is floor(micro-batches stepped / M), whatever the drains
+    for M, a, pattern in [(4, 1, ()), (1, 3, (1, 1, 1)), (2, 3, (3, 1)), (3, 2, (1, 2))]:
+        streams, segs = carried_run(3, M, a, pattern, 7)
+        for s in range(3):
+            count = 0
+            for after, n in steps_after(flat(segs[s])):
+                count += n
+                assert count == (after + 1) // M, (M, a, s, after, count)
+            assert streams[s].lr_count == count == 7  # closed at the end: every call's M micro-batches stepped
+    # P = 4, M = 1, a = 3 ("auto"): 12 calls give 4 local steps and 12 scheduler steps, with or without drains
+    for pattern in [(), (4, 4), (1,) * 11]:
+        streams, segs = carried_run(4, 1, 3, pattern, 12)
+        assert [st.version for st in streams] == [4] * 4 and [st.lr_count for st in streams] == [12] * 4
+    # a change of M keeps the count (M micro-batches under either size count one scheduler step)
+    st = PACIStream(2, 1, 2, 2)
+    st.advance(2 * 2 * 2)  # two calls of M = 2
+    st.drain()
+    assert st.lr_count == 2
+    st.set_micro_batches(4, window=4)
+    st.advance(2 * 2 * 4)  # two calls of M = 4
+    st.drain()
+    assert st.lr_count == 4 and st.window == 4
+    with pytest.raises(RuntimeError):  # the window cannot change under an open window
+        st.advance(2)
+        st.drain(close_window=False)
+        st.set_micro_batches(2, window=2)
+
+
+def test_stream_state_with_an_open_window_round_trips():
+    st = PACIStream(3, 1, 3, 2)
+    st.advance(8)
+    st.drain(close_window=False)
+    assert st.window_fill == 1
+    state = st.state_dict()
+    fresh = PACIStream(3, 1, 3, 2)
+    fresh.load_state_dict(state)
+    assert (fresh.window_fill, fresh.lr_count, fresh.version) == (st.window_fill, st.lr_count, st.version)
+    a, b = fresh.advance(12) + fresh.drain(), st.advance(12) + st.drain()
+    assert format_stream(a) == format_stream(b)
+    assert steps_after(a) == steps_after(b)
+    # a state saved before the rule existed (windows closed, one scheduler step per local step) continues from there
+    old = {"next_micro_batch": 8, "version": 4, "ticks_emitted": 20}
+    legacy = PACIStream(3, 1, 2, 2)
+    legacy.load_state_dict(old)
+    assert (legacy.window_fill, legacy.lr_count) == (0, 4)
+    legacy.advance(4)
+    legacy.drain()
+    assert legacy.lr_count == 5

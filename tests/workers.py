@@ -337,12 +337,12 @@ def record_tied_digests(engine):
         return digests
     step = engine._local_step
 
-    def step_and_record(version):
-        step(version)
+    def step_and_record(cmd):
+        step(cmd)
         h = hashlib.sha256()
         for name, t in sorted(engine._tied.snapshot().items()):
             h.update(name.encode() + t.contiguous().numpy().tobytes())
-        digests[version] = h.hexdigest()
+        digests[cmd.version] = h.hexdigest()
 
     engine._local_step = step_and_record
     return digests

@@ -21,14 +21,26 @@ Contract (see also ``docs``/README):
   rank waits for the call's own loss, as the stock engine's broadcast does. ``get_additional_losses()``
   follows the same rule.
 * ``drain()`` completes all in-flight micro-batches and closes every open window
-  (a partial window is stepped as is); it returns like ``train_batch``. It enables
-  gradients for its own backward passes, so ``eval_batch``, ``save_checkpoint`` and
-  ``load_checkpoint`` (which drain first) work under ``torch.no_grad()``.
-  ``set_train_batch_size`` drains only when the size changes, ``reset_activation_shape``
-  only when something is in flight. A drained engine is in the state a synchronous
-  run reaches at a step boundary.
+  (a partial window is stepped as is: the end of training); ``drain(close_window=False)``
+  completes them and leaves a partial window open for the next call. It returns like
+  ``train_batch`` and enables gradients for its own backward passes, so ``eval_batch``,
+  ``save_checkpoint`` and ``load_checkpoint`` (which drain first, without closing the
+  window) work under ``torch.no_grad()``. So evaluation and checkpoints never add an
+  optimizer or scheduler step: a stage steps after every ``a`` of its backward passes
+  however often the run is drained. ``set_train_batch_size`` drains only when the size
+  changes, and then closes the window (the window and the learning-rate unit follow ``M``);
+  ``reset_activation_shape`` drains only when something is in flight. A drained engine has
+  nothing in flight, like a synchronous run at a step boundary, plus possibly an open window.
+* Counters as in DeepSpeed's engine: every ``train_batch`` adds 1 to ``global_steps`` and
+  ``train_batch_size()`` to ``global_samples`` (default checkpoint tags ``global_step<N>``,
+  the monitors' x-axis); the same on every stage, whatever ``a``. The LR scheduler follows the
+  samples a stage has consumed, one scheduler step per ``M`` micro-batches its local steps
+  took (``LocalStep.lr_steps``, :mod:`ds_paci.core.schedule`); with ``a = M`` that is one per
+  local step. ``skipped_steps`` counts this stage's skipped local steps.
 * Checkpoints are atomic (:mod:`ds_paci.core.checkpoint`): ``latest`` only ever
   names a complete checkpoint, and ``load_checkpoint`` verifies completeness first.
+  A checkpoint taken with a window open keeps its gradients (:mod:`ds_paci.core.window_state`),
+  so a resume continues exactly as the uninterrupted run.
 * Backward passes of micro-batches that cross a local step use the *current*
   weights (PACI "perf" semantics) on stock PyTorch: optimizers step through
   ``.data`` (see :mod:`ds_paci.core.local_step`), so autograd's version check never fires.
@@ -38,8 +50,11 @@ Contract (see also ``docs``/README):
   the end of the call, as DeepSpeed's ``OptimizerStep`` does. Async mode: clipping by
   each stage's own norm when ``gradient_clipping`` is set, none when the key is absent
   (said in the start-up log line); a local step whose gradient is not finite is skipped
-  (the scheduler still steps), ``was_step_applied()`` says so, and
+  (the scheduler still follows its rule), ``was_step_applied()`` says so, and
   ``paci.max_consecutive_skips`` skips in a row stop every rank (:mod:`ds_paci.core.guard`).
+* On a DeepSpeed newer than the newest tested (or with ``DS_PACI_CHECK_COLLECTIVES=1``), the first
+  async local step runs under :class:`~ds_paci.core.collective_guard.StageCollectiveGuard`: a
+  collective whose group spans two stages is refused, before it is entered, with one line.
 * ``was_step_applied()``: False only after a skipped step (True before the first one).
   ``get_global_grad_norm()``: the stage's own gradient norm at its last local step
   (async; over its data-parallel group, never across stages), DeepSpeed's value in
@@ -63,6 +78,7 @@ Contract (see also ``docs``/README):
 """
 
 import math
+import os
 import time
 from collections import OrderedDict
 
@@ -73,11 +89,12 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              SendActivation, SendGrad)
 from deepspeed.utils import logger
 
-from . import checkpoint, compat
+from . import checkpoint, compat, window_state
+from .collective_guard import CrossStageCollectiveError, StageCollectiveGuard, check_reason
 from .config import check_accumulation_window, engine_config, parse_paci_section, validate_run
 from .feed import MicroBatchFeed
 from .guard import PACINonFiniteError, SkipCounter, assert_finite_weights, stop_message
-from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_local
+from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_local, step_lr
 from .lookahead import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
@@ -119,7 +136,7 @@ class PACIPipelineEngine(PipelineEngine):
         window = self.paci.window(self.micro_batches, self.num_stages)
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
         self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
-        self._stream = PACIStream(self.num_stages, self.stage_id, window)
+        self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches)
         self._reserve_pipe_buffers(self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
         compat.adapt_engine(self, stock=self._stock_step)  # what differs between DeepSpeed versions
@@ -147,6 +164,9 @@ class PACIPipelineEngine(PipelineEngine):
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
                                   explain=self._explain_wait)
         self._tied = TiedWeights.create(self)  # tied layers on several stages (every rank: it creates groups)
+        # A newer DeepSpeed may reach a global group inside an optimizer step: check the first local step once.
+        reason = None if self._stock_step else check_reason()
+        self._collective_guard = None if reason is None else StageCollectiveGuard(self, reason)
         # (make_lookahead restores by copy where copies must stay bit-identical: DP replicas, tied owners)
         self._lookahead = make_lookahead(self, self.paci.lookahead and not self._stock_step,
                                          self.paci.lookahead_restore)
@@ -200,46 +220,60 @@ class PACIPipelineEngine(PipelineEngine):
         self.timers(TRAIN_BATCH_TIMER).start()
         self._run(self._stream.advance(2 * self.micro_batches))
         if self.paci.drain_every_batch:
-            self._run_drain()
+            self._run_drain(close_window=self._stock_step)  # a = M: nothing is left open anyway
+        if not self._stock_step:  # one step per call, as the stock engine counts (sync mode: DeepSpeed's step did)
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
         self.timers(TRAIN_BATCH_TIMER).stop()
         loss = self._finish_call()
         self._calls += 1
         self._report(loss)
         return loss
 
-    def drain(self):
-        """Complete everything in flight and close open windows; returns like :meth:`train_batch`.
+    def drain(self, close_window=True):
+        """Complete everything in flight; returns like :meth:`train_batch`.
 
-        Enables gradients for its own backward passes (callers may hold ``torch.no_grad()``).
+        ``close_window`` (the default, for the end of training): a partial accumulation window is stepped as
+        it is. ``close_window=False`` leaves it open: the next ``train_batch`` continues it, so draining does
+        not change training (what ``eval_batch`` and checkpoints do). Enables gradients for its own backward
+        passes (callers may hold ``torch.no_grad()``).
         """
         self.module.train()
         self._begin_losses()
         with torch.enable_grad():
-            self._run_drain()
+            self._run_drain(close_window)
         self._drains += 1
         return self._finish_call()
 
     def eval_batch(self, data_iter, *args, **kwargs):
-        """Drain, then DeepSpeed's own ``eval_batch`` (its barrier and loss broadcast are legal once drained)."""
-        self.drain()
+        """Drain (window left open), then DeepSpeed's own ``eval_batch`` (its barrier and loss broadcast are legal
+        once drained)."""
+        self.drain(close_window=False)
         return super().eval_batch(data_iter, *args, **kwargs)
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """Drain, then atomically save an ordinary DeepSpeed checkpoint with the stream position under
-        ``client_state['ds_paci']`` (see :mod:`ds_paci.core.checkpoint`).
+        """Drain (window left open), then atomically save an ordinary DeepSpeed checkpoint with the stream position
+        under ``client_state['ds_paci']`` (see :mod:`ds_paci.core.checkpoint`), and an open window's gradients in
+        one more file per rank (:mod:`ds_paci.core.window_state`). The default tag is ``global_step<N>``, ``N`` the
+        ``train_batch`` calls so far, as on the stock engine.
 
         Refuses (on every rank, before writing anything) to save non-finite weights, and (on a rank whose
         look-ahead could not restore the real weights) weights that are not the real ones.
         """
         if self._lookahead is not None:
             self._lookahead.check_restored()
-        self.drain()
+        self.drain(close_window=False)
         assert_finite_weights(self)
         state = dict(client_state or {})
         state["ds_paci"] = {"stream": self._stream.state_dict(), "telemetry": self.telemetry.summary()}
         parent_save = super().save_checkpoint
+        window = window_state.capture(self) if window_state.needed(self) else None
 
         def write(staging_tag, save_latest):
+            if window is not None:  # before DeepSpeed's save, which ends with the barrier the commit relies on
+                folder = os.path.join(save_dir, staging_tag)
+                os.makedirs(folder, exist_ok=True)
+                self.checkpoint_engine.save(window, os.path.join(folder, window_state.file_name(self)))
             return parent_save(save_dir, tag=staging_tag, client_state=state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -247,39 +281,68 @@ class PACIPipelineEngine(PipelineEngine):
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
         """Drain, verify the checkpoint is complete (:class:`~ds_paci.core.checkpoint.CheckpointError` otherwise),
-        load it, and resume the stream where the saved (drained) one stopped."""
-        self.drain()
+        load it, and resume the stream where the saved (drained) one stopped, with its open window if it had one
+        (:class:`~ds_paci.core.window_state.WindowStateError` when that cannot be restored on this layout)."""
+        self.drain(close_window=False)
         tag = checkpoint.verified_tag(self, load_dir, tag) or tag
         path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
         self._clipping = clipping_policy(self, stock=self._stock_step)  # wrappers restore their saved clip value
-        if path is not None and client_state and "ds_paci" in client_state:
-            self._stream.load_state_dict(client_state["ds_paci"]["stream"])
-            self.telemetry.version = self._stream.version
+        if path is not None:
+            self._load_window(os.path.dirname(path), (client_state or {}).get("ds_paci"))
         self._feed.clear()
         if self._tied is not None and self._tied.check:
             self._tied.verify("after loading a checkpoint")
         return path, client_state
 
+    def _load_window(self, folder, saved):
+        """After DeepSpeed's load: the saved stream position and open window (or none), replacing the current one."""
+        window_state.discard(self)  # the drained engine's own open window does not continue
+        if saved is None:  # not a ds_paci checkpoint: the stream goes on from where it was, window closed
+            self._stream.window_fill = 0
+            return
+        saved_window = saved["stream"].get("window", self._stream.window)
+        if saved["stream"].get("window_fill") and saved_window != self._stream.window:
+            raise window_state.WindowStateError(
+                f"checkpoint {folder} was saved with an open accumulation window ({saved['stream']['window_fill']} of "
+                f"{saved_window} backward passes); this run's window is {self._stream.window}: resume with "
+                f"accumulation window {saved_window}, or save a checkpoint whose windows are closed (engine.drain() "
+                "right before save_checkpoint)")
+        self._stream.load_state_dict(saved["stream"])
+        if self._stream.micro_batches != self.micro_batches:  # resumed with another batch size: the rule's unit
+            self._stream.set_micro_batches(self.micro_batches)
+        self.telemetry.version = self._stream.version
+        state = window_state.read(self, folder)
+        if state is not None:
+            window_state.restore(self, state, f"checkpoint {folder}")
+        elif self._stream.window_fill:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {folder} was saved with an open accumulation window ({self._stream.window_fill} backward "
+                f"passes) but has no {window_state.file_name(self)} for {self._describe_rank()}; load a complete "
+                "checkpoint")
+
     def set_train_batch_size(self, train_batch_size):
         """Change the number of micro-batches: a no-op for the current size; otherwise drain once, then switch.
 
-        A defaulted window (and the window of sync mode) follows the new ``gradient_accumulation_steps``.
+        That drain closes the open window (a partial window is stepped as is): the window and the learning-rate
+        rule's unit follow ``M``. A defaulted window (and the window of sync mode) follows the new
+        ``gradient_accumulation_steps``.
         """
         if train_batch_size == self.train_batch_size():
             return
         if train_batch_size % (self.train_micro_batch_size_per_gpu() * self.dp_world_size) != 0:
             super().set_train_batch_size(train_batch_size)  # DeepSpeed's own ValueError, before any drain
-        self.drain()
+        self.drain(close_window=True)
         super().set_train_batch_size(train_batch_size)
+        window = None
         if self.paci.accumulation_window in (None, "auto") or self._stock_step:
             window = self.micro_batches if self._stock_step else self.paci.window(self.micro_batches, self.num_stages)
-            self._stream.window = window
             self.telemetry.window = window
             self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window)
+        self._stream.set_micro_batches(self.micro_batches, window)
 
     def reset_activation_shape(self):
         if hasattr(self, "_stream") and not self.is_drained:
-            self.drain()
+            self.drain(close_window=False)
         super().reset_activation_shape()
 
     def destroy(self):
@@ -312,6 +375,10 @@ class PACIPipelineEngine(PipelineEngine):
                      loss_calls=self._loss_calls,
                      drains=self._drains,
                      skipped_steps=self._skips.total,
+                     window_fill=self._stream.window_fill,
+                     lr_steps=self._stream.lr_count,
+                     global_steps=self.global_steps,
+                     collective_check=None if self._collective_guard is None else self._collective_guard.summary(),
                      consecutive_skips=self._skips.consecutive,
                      max_consecutive_skips=self._skips.limit,
                      grad_norm=None if self._global_grad_norm is None else float(self._global_grad_norm),
@@ -333,10 +400,10 @@ class PACIPipelineEngine(PipelineEngine):
         return self.telemetry.write_trace(directory)
 
     # -- stream execution -------------------------------------------------------------
-    def _run_drain(self):
-        ticks = self._stream.drain()
+    def _run_drain(self, close_window):
+        ticks = self._stream.drain(close_window)
         if self._tied is not None:
-            self._tied.begin_drain(ticks)
+            self._tied.begin_drain(ticks, carry=not close_window)
         self._run(ticks)
         self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
         if self._deferred_steps:  # sync mode: the call's local step(s) after its last tick, as DeepSpeed steps
@@ -368,7 +435,7 @@ class PACIPipelineEngine(PipelineEngine):
                     else:
                         table[type(cmd)](self, cmd)
                     watchdog.done()
-        except PACINonFiniteError:
+        except (PACINonFiniteError, CrossStageCollectiveError):
             raise
         except Exception as e:
             # A peer that stopped the run (non-finite guard) breaks our transfers: say why, not just how.
@@ -419,9 +486,19 @@ class PACIPipelineEngine(PipelineEngine):
             return
         if self._tied is not None and not self._stock_step and self._tied.defer(cmd):
             return  # the segment's last step of a tied owner runs at the end of the drain
-        self._local_step(cmd.version)
+        self._local_step(cmd)
 
-    def _local_step(self, version):
+    def _local_step(self, cmd):
+        """Run local step ``cmd`` (a :class:`LocalStep`); the first async one under the collective guard, if on."""
+        guard = self._collective_guard
+        if guard is not None and not guard.done:
+            with guard:
+                self._take_local_step(cmd)
+        else:
+            self._take_local_step(cmd)
+
+    def _take_local_step(self, cmd):
+        version = cmd.version
         if self._lookahead is not None:
             self._lookahead.before_step()
         if self._stock_step:  # DeepSpeed's order: tied all-reduce, then the DP reduce
@@ -441,6 +518,8 @@ class PACIPipelineEngine(PipelineEngine):
             applied = self._tied.step()  # the stage's own gradient and the tied total, each with its verdict
         else:
             applied = guarded_step(self)
+        if not self._stock_step:
+            step_lr(self, cmd.lr_steps)  # applied or skipped: the scheduler follows the micro-batches consumed
         if self._aliases is not None:
             self._aliases.release_grads()
         self.telemetry.stepped()
@@ -574,8 +653,10 @@ class PACIPipelineEngine(PipelineEngine):
         if isinstance(instruction, LocalStep):
             return ("; it is stuck in its own local step (optimizer, or the gradient reduce with its data-parallel "
                     "replicas)")
-        if isinstance(instruction, str):
+        if isinstance(instruction, str) and instruction.startswith("the loss"):
             return f"; it is waiting for stage {self.num_stages - 1}, the last stage of its pipeline"
+        if isinstance(instruction, str):
+            return "; it is waiting for the peer named above"
         return "; it is stuck in its own computation (forward, backward or data loading), not waiting for a peer"
 
     def _report(self, loss):

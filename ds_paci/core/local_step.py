@@ -26,10 +26,16 @@ is the stock engine exactly):
    step (after the data-parallel reduce: every replica holds the same gradients, so every replica reaches
    the same verdict; ZeRO-1 and BF16 wrappers compute it themselves over their data-parallel partitions
    with the stage-local MPU). A non-finite norm skips the step: nothing is applied, gradients are zeroed,
-   ``was_step_applied()`` is False, and the LR scheduler still steps, so that every stage's learning rate
-   stays a function of the local step count (stages skip independently; DeepSpeed does not step the
-   scheduler on an overflow, which is right only when all stages skip together). The norm is what
-   ``get_global_grad_norm()`` returns: the stage's own, never across stages.
+   ``was_step_applied()`` is False, and the LR scheduler still follows the stream's rule, so that every
+   stage's learning rate stays a function of the micro-batches it has consumed (stages skip
+   independently; DeepSpeed does not step the scheduler on an overflow, which is right only when all
+   stages skip together). The norm is what ``get_global_grad_norm()`` returns: the stage's own, never
+   across stages.
+5. **Counters and the scheduler** (:func:`held_counters`): DeepSpeed's ``_take_model_step`` steps the LR
+   scheduler once and adds one to ``global_steps`` (and ``train_batch_size`` to ``global_samples``) per
+   optimizer step. An async local step is not a ``train_batch`` call: the engine counts calls itself (as
+   the stock engine's one step per call does), and steps the scheduler ``LocalStep.lr_steps`` times
+   (:func:`step_lr`; :mod:`ds_paci.core.schedule` states the rule).
 4. **Clipping** (:func:`clipping_policy`): ``gradient_clipping`` > 0 clips by that stage-local norm. When
    the config does not set ``gradient_clipping`` (DeepSpeed's default, 1.0 from 0.19.3, clips by a norm over
    all stages, a cross-stage collective), async PACI does not clip.
@@ -37,8 +43,8 @@ is the stock engine exactly):
 DeepSpeed internals the engine contract relies on (read in 0.16.0 to 0.19.8; what differs between versions is
 handled in :mod:`ds_paci.core.compat`; the list to re-check for a new version):
 ``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
-``global_steps``, ``global_samples``, the scheduler's ``TypeError`` fallback), mirrored by :func:`skip_step`
-and :func:`step_lr`; the wrappers' ``mpu`` / ``model_parallel_*`` / ``clip_grad`` / ``overflow`` /
+``global_steps``, ``global_samples``, the scheduler's ``TypeError`` fallback, ``lr_scheduler`` read at
+each step), mirrored by :func:`skip_step` and :func:`step_lr` and held by :func:`held_counters`; the wrappers' ``mpu`` / ``model_parallel_*`` / ``clip_grad`` / ``overflow`` /
 ``_global_grad_norm`` attributes (here); ``engine._config._param_dict`` and ``_config.gradient_clipping``
 (:func:`clipping_policy`); ``PipelineEngine``'s ``total_loss``, ``total_additional_losses``, ``fwd_outputs``
 and ``agg_additional_losses`` (``engine._last_stage_loss``); ``deepspeed.initialize`` passing
@@ -46,6 +52,7 @@ and ``agg_additional_losses`` (``engine._last_stage_loss``); ``deepspeed.initial
 time (``initialize._pipeline_engine_class``).
 """
 
+import contextlib
 import math
 
 import torch
@@ -191,35 +198,50 @@ def clip_by_norm(parameters, max_norm, norm):
                 p.grad.detach().mul_(coef)
 
 
-def step_lr(engine):
-    """Advance the LR scheduler once, the way DeepSpeed's ``_take_model_step`` does."""
+def step_lr(engine, times=1):
+    """Advance the LR scheduler ``times`` times, each the way DeepSpeed's ``_take_model_step`` does."""
     if engine.lr_scheduler is None:
         return
+    for _ in range(times):
+        try:
+            engine.lr_scheduler.step()
+        except TypeError:
+            engine.lr_scheduler.step(engine.train_batch_size())
+
+
+@contextlib.contextmanager
+def held_counters(engine):
+    """Around DeepSpeed's optimizer step in an async local step: no scheduler step, counters unchanged after it.
+
+    Inside, DeepSpeed's bookkeeping runs as in the stock engine's step of the current call (its progress
+    line and its ``Train/Samples/lr`` event at the call's ``global_samples``); afterwards ``global_steps``
+    and ``global_samples`` are what they were, since the engine advances them per ``train_batch`` call.
+    """
+    scheduler, steps, samples = engine.lr_scheduler, engine.global_steps, engine.global_samples
+    engine.lr_scheduler = None
     try:
-        engine.lr_scheduler.step()
-    except TypeError:
-        engine.lr_scheduler.step(engine.train_batch_size())
+        yield
+    finally:
+        engine.lr_scheduler = scheduler
+        engine.global_steps, engine.global_samples = steps, samples
 
 
 def skip_step(engine):
-    """Skip an optimizer step (nothing applied, gradients zeroed) but count it and keep the LR schedule in step."""
+    """Skip an optimizer step: nothing applied, gradients zeroed, counted in ``skipped_steps``."""
     if is_wrapped(engine.optimizer):
         compat.discard_wrapper_gradients(engine.optimizer)
     else:
         engine.zero_grad()
     engine._step_applied = False
     engine.skipped_steps += 1
-    step_lr(engine)
-    engine.global_steps += 1
-    engine.global_samples += engine.train_batch_size()
 
 
 def guarded_step(engine, before_skip=None):
     """The async local step's optimizer part, with the non-finite guard; returns True if the step was applied.
 
-    Call after the data-parallel reduce. Leaves the stage's norm in ``engine._global_grad_norm``.
-    ``before_skip``: called when the step is skipped, before the LR scheduler steps (a tied owner still
-    updates its tied weights there: :mod:`ds_paci.core.tied_optimizer`).
+    Call after the data-parallel reduce. Leaves the stage's norm in ``engine._global_grad_norm``. Steps neither
+    the LR scheduler nor the counters (the caller does: :func:`held_counters`). ``before_skip``: called when the
+    step is skipped (a tied owner still updates its tied weights there: :mod:`ds_paci.core.tied_optimizer`).
     """
     opt = engine.optimizer
     if is_wrapped(opt):
@@ -229,12 +251,11 @@ def guarded_step(engine, before_skip=None):
             skip_step(engine)
             engine._global_grad_norm = float("inf")
             return False
-        engine._exec_optimizer_step()  # the wrapper checks its (stage-local) norm and skips on overflow
+        with held_counters(engine):
+            engine._exec_optimizer_step()  # the wrapper checks its (stage-local) norm and skips on overflow
         applied = not bool(getattr(opt, "overflow", False))
-        if not applied:
-            if before_skip is not None:
-                before_skip()
-            step_lr(engine)
+        if not applied and before_skip is not None:
+            before_skip()
         return applied
     norm = stage_grad_norm(engine.module.parameters())
     value = float(norm)
@@ -245,6 +266,7 @@ def guarded_step(engine, before_skip=None):
         skip_step(engine)
         engine._global_grad_norm = value
         return False
-    engine._exec_optimizer_step()  # clip_fp32_gradients() reads engine._paci_grad_norm
+    with held_counters(engine):
+        engine._exec_optimizer_step()  # clip_fp32_gradients() reads engine._paci_grad_norm
     engine._global_grad_norm = value
     return True

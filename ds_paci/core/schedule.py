@@ -20,8 +20,23 @@ backward, a micro-batch crosses at most ``ceil((P-1-s)/window)`` steps (its drif
 A stream is cut into calls by :meth:`PACIStream.advance` (``2*M`` ticks per
 ``train_batch``, identical on every stage, so the cuts line up and point-to-point
 pairs match) and ended by :meth:`PACIStream.drain`, the finite tail that completes
-everything in flight and closes the open accumulation window. After a drain a new
-*segment* starts; micro-batch ids keep increasing across calls and segments.
+everything in flight. After a drain a new *segment* starts; micro-batch ids keep
+increasing across calls and segments.
+
+**Windows across drains.** ``drain(close_window=False)`` (what evaluation and
+checkpoints use) leaves a partial accumulation window open: the next segment starts
+with ``window_fill > 0`` and its first local step follows the ``(a - window_fill)``-th
+backward of that segment, so a stage takes one local step per ``a`` backward passes
+however often the stream is drained. ``drain()`` (``close_window=True``) steps the
+partial window as it is (the end of training, a change of ``M``).
+
+**The learning-rate rule.** Every :class:`LocalStep` carries ``lr_steps`` (not part of
+the text form): how many times the LR scheduler steps right after it. The stock
+engine steps its scheduler once per ``train_batch``, i.e. once per ``M``
+micro-batches; a PACI stage brings its scheduler, at each local step, to
+``floor(n / M)`` where ``n`` counts the micro-batches whose gradients its local steps
+have taken so far (kept across a change of ``M``: :meth:`PACIStream.set_micro_batches`).
+With ``a = M`` that is one scheduler step per local step.
 
 Text form (round-trips with :func:`parse_instruction` / :func:`format_instruction`)::
 
@@ -66,11 +81,13 @@ class LocalStep(PipeInstruction):
     """Stage-local optimizer step that produces weight version ``version``.
 
     Data-parallel gradient reduce within the stage's DP group, stage-local clipping,
-    optimizer step, LR-scheduler step, zero grads. No other stage takes part.
+    optimizer step, ``lr_steps`` LR-scheduler steps (see the module docstring), zero
+    grads. No other stage takes part.
     """
 
-    def __init__(self, version, **kwargs):
+    def __init__(self, version, lr_steps=1, **kwargs):
         super().__init__(version=version, **kwargs)
+        self.lr_steps = lr_steps
 
 
 # Text codes. Order matters for parsing: longer prefixes first.
@@ -174,13 +191,15 @@ class PACIStream:
         stage_id: this stage ``s`` (0-based).
         window: local accumulation window ``a``: a :class:`LocalStep` follows every
             ``a``-th backward pass of this stage.
+        micro_batches: ``M``, the micro-batches of one ``train_batch`` call: the unit of
+            the learning-rate rule (``LocalStep.lr_steps``). Default: ``window``.
 
     State advances only through :meth:`advance` and :meth:`drain`, which return the
     ticks to execute. Every stage of a pipeline must be advanced by the same tick
     counts, in the same order, so their point-to-point transfers pair up.
     """
 
-    def __init__(self, stages, stage_id, window):
+    def __init__(self, stages, stage_id, window, micro_batches=None):
         if stages < 1 or not 0 <= stage_id < stages:
             raise ValueError(f"invalid stage {stage_id} of {stages}")
         if window < 1:
@@ -188,12 +207,16 @@ class PACIStream:
         self.stages = stages
         self.stage_id = stage_id
         self.window = window
+        self.micro_batches = micro_batches or window
         self.nbuf = num_buffers(stages, stage_id)
         self.segment_tick = 0  # ticks emitted in the current segment
         self.segment_base = 0  # global id of the segment's micro-batch 0
-        self.window_fill = 0  # backward passes in the open window
+        self.window_fill = 0  # backward passes in the open window (carried across a drain that leaves it open)
         self.version = 0  # local steps emitted so far
         self.ticks_emitted = 0  # over all segments
+        self.lr_count = 0  # LR-scheduler steps emitted so far (sum of LocalStep.lr_steps)
+        self._applied = 0  # micro-batches taken by local steps since the last change of M ...
+        self._lr_base = 0  # ... and lr_count at that change
 
     # -- queries -------------------------------------------------------------------
     def loaded(self):
@@ -257,9 +280,30 @@ class PACIStream:
         return cmds
 
     def _local_step(self):
+        target = self._lr_base + (self._applied + self.window_fill) // self.micro_batches
+        step = LocalStep(self.version + 1, lr_steps=target - self.lr_count)
+        self._applied += self.window_fill
+        self.lr_count = target
         self.window_fill = 0
         self.version += 1
-        return LocalStep(self.version)
+        return step
+
+    def set_micro_batches(self, micro_batches, window=None):
+        """A new ``M`` (and window) from the next segment on; the stream must be drained.
+
+        The learning-rate rule keeps its count: micro-batches stepped under the old ``M`` count in units of
+        the old ``M``. Changing the window needs a closed window (``drain()``).
+        """
+        if self.segment_tick:
+            raise RuntimeError("set_micro_batches() on a stream that is not drained; call drain() first")
+        if window is not None and window != self.window and self.window_fill:
+            raise RuntimeError(f"cannot change the window from {self.window} to {window} with {self.window_fill} "
+                               "backward passes in the open window; drain() (close_window=True) first")
+        self._lr_base += self._applied // self.micro_batches
+        self._applied %= self.micro_batches
+        self.micro_batches = micro_batches
+        if window is not None:
+            self.window = window
 
     def advance(self, n_ticks):
         """The next ``n_ticks`` ticks of the unbounded stream (one ``train_batch`` is ``2*M``)."""
@@ -268,18 +312,19 @@ class PACIStream:
         self.ticks_emitted += n_ticks
         return ticks
 
-    def drain(self):
-        """The finite tail: completes every started micro-batch and closes the open window.
+    def drain(self, close_window=True):
+        """The finite tail: completes every started micro-batch; with ``close_window`` also the open window.
 
-        Returns the remaining ticks (the same count on every stage, plus one extra
-        tick holding only a :class:`LocalStep` where this stage's last backward had
-        already run before the drain began). Afterwards nothing is in flight and a
-        new segment begins.
+        Returns the remaining ticks (the same count on every stage; with ``close_window``
+        plus one extra tick holding only a :class:`LocalStep` where this stage's last
+        backward had already run before the drain began). Afterwards nothing is in flight
+        and a new segment begins. ``close_window=False`` leaves a partial window open: the
+        next segment continues it (``window_fill`` > 0).
         """
         limit = self.loaded()
         end = 2 * (limit + self.stages - 1) if limit else 0
         ticks = [self._tick(t, limit) for t in range(self.segment_tick, end)]
-        if self.window_fill:
+        if self.window_fill and close_window:
             step = self._local_step()
             last_backward = limit - 1 + self.segment_base
             for tick in reversed(ticks):
@@ -294,35 +339,55 @@ class PACIStream:
         return ticks
 
     def state_dict(self):
-        """Position of a drained stream (what a checkpoint must keep)."""
+        """Position of a drained stream (what a checkpoint must keep), including an open window's fill."""
         if self.in_flight() or self.segment_tick:
             raise RuntimeError("state_dict() of a stream that is not drained; call drain() first")
-        return {"next_micro_batch": self.segment_base, "version": self.version, "ticks_emitted": self.ticks_emitted}
+        return {"next_micro_batch": self.segment_base, "version": self.version, "ticks_emitted": self.ticks_emitted,
+                "window": self.window, "window_fill": self.window_fill, "micro_batches": self.micro_batches,
+                "lr_count": self.lr_count,
+                "applied": self._applied, "lr_base": self._lr_base}
 
     def load_state_dict(self, state):
+        """Restore :meth:`state_dict`. States written before the learning-rate rule existed (closed windows, one
+        scheduler step per local step) continue with the current ``M`` from the scheduler count they imply."""
         self.segment_base = int(state["next_micro_batch"])
         self.version = int(state["version"])
         self.ticks_emitted = int(state.get("ticks_emitted", 0))
         self.segment_tick = 0
-        self.window_fill = 0
+        self.window_fill = int(state.get("window_fill", 0))
+        if "lr_count" in state:
+            self.micro_batches = int(state["micro_batches"])
+            self.lr_count = int(state["lr_count"])
+            self._applied = int(state["applied"])
+            self._lr_base = int(state["lr_base"])
+        else:
+            self.lr_count = self.version
+            self._applied = self.segment_base
+            self._lr_base = self.version - self.segment_base // self.micro_batches
 
 
 # -- static checks ---------------------------------------------------------------------
-def stream_violations(ticks, stages, stage_id, window, expect_drained=True, start_version=0):
+def stream_violations(ticks, stages, stage_id, window, expect_drained=True, start_version=0, start_fill=0,
+                      expect_closed=None):
     """Check one segment of one stage's ticks against the PACI contract.
 
     Returns a list of messages (empty = valid). A segment is what runs between two
-    drains (or from the start); ``start_version`` is the weight version it starts at.
+    drains (or from the start); ``start_version`` is the weight version it starts at and
+    ``start_fill`` the backward passes already in its open window (a window carried across
+    the drain before it).
 
     Checks: forward before backward of every micro-batch, loads only on the first
     and last stage and before the forward, in-flight <= ``P - s``, a local step after
-    exactly every ``window``-th backward (a final partial window may close at the
-    end), step versions consecutive, drift <= ``ceil((P-1-s)/window)``, buffer ids
-    never reused while occupied, and (``expect_drained``) nothing in flight and no
+    exactly every ``window``-th backward of a window (counting the carried ones; a final
+    partial window may close at the end), step versions consecutive, drift <=
+    ``ceil((P-1-s)/window)``, buffer ids never reused while occupied, (``expect_drained``)
+    nothing in flight at the end, and (``expect_closed``, by default ``expect_drained``) no
     open window at the end. Forwards tagged by :class:`PACIStream` (``crosses_step``,
     ``window_fill``) must carry the truth: the fill of the open window at the forward,
     and whether a local step falls between the forward and its backward.
     """
+    if expect_closed is None:
+        expect_closed = expect_drained
     out = []
     bound = drift_bound(stages, stage_id, window)
     nbuf = num_buffers(stages, stage_id)
@@ -331,7 +396,7 @@ def stream_violations(ticks, stages, stage_id, window, expect_drained=True, star
     done = set()
     loaded = set()
     version = start_version
-    fill = 0
+    fill = start_fill
     crossing_tag = {}
     for t, tick in enumerate(ticks):
         for ins in tick:
@@ -385,11 +450,10 @@ def stream_violations(ticks, stages, stage_id, window, expect_drained=True, star
                 fill = 0
         if fill > window:
             out.append(f"stage {stage_id} tick {t}: {fill} backwards without a step (window {window})")
-    if expect_drained:
-        if fwd_version:
-            out.append(f"stage {stage_id}: still in flight at the end: {sorted(fwd_version)}")
-        if fill:
-            out.append(f"stage {stage_id}: window left open with {fill} backwards")
+    if expect_drained and fwd_version:
+        out.append(f"stage {stage_id}: still in flight at the end: {sorted(fwd_version)}")
+    if expect_closed and fill:
+        out.append(f"stage {stage_id}: window left open with {fill} backwards")
     return out
 
 

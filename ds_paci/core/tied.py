@@ -6,14 +6,16 @@ DeepSpeed keeps them equal with a blocking all-reduce of their gradients at ever
 collective spanning those stages, which PACI never runs (it deadlocks against the blocking
 point-to-point transfers of stages that step at different ticks). The policy here:
 
-* **Exchange.** At its local step producing window ``k`` (of the current segment, i.e. since the
-  last drain) every owner posts its window-``k`` tied gradient to the other owners with
+* **Exchange.** At its local step producing window ``k`` (windows are numbered by weight version;
+  a drain that closes the window applies everything, so counting restarts there in effect) every
+  owner posts its window-``k`` tied gradient to the other owners with
   ``isend``/``irecv`` on a dedicated process group (one per set of owner ranks, created at
   construction on every rank in the same order; never the group the pipeline's own transfers
   use), together with one **finite flag**: whether its whole window-``k`` gradient (its own
   non-tied part and its tied contribution) was finite. It then applies the **total of window**
   ``k - L``: the sum over all owners, added in stage order, so every owner computes the same bits.
-  For ``k <= L`` the total is zero. ``L`` is :func:`~ds_paci.core.tied_timing.tied_lag`: the
+  When no window ``k - L`` is pending (the first ``L`` steps of the run, or after a drain that
+  applied everything) the total is zero. ``L`` is :func:`~ds_paci.core.tied_timing.tied_lag`: the
   smallest lag for which the pipeline's own data dependencies guarantee that the peers'
   window-``k - L`` messages have been posted before an owner needs them, so the wait is transport
   latency only, never a wait on another stage (the watchdog names it if it ever hangs).
@@ -24,12 +26,14 @@ point-to-point transfers of stages that step at different ticks). The policy her
   keeps the two parts of the step apart on every optimizer path, so that Adam's state and step
   counters and the copies stay bit-identical through skips. A local step with either part skipped
   counts as skipped (``was_step_applied()`` False, the guard's count); ``paci_stats()["tied"]``
-  counts the skipped windows.
+  counts the skipped windows. The flag is part of the window's message, so it travels wherever the
+  window goes: across a drain that carries it, and into a checkpoint (:mod:`ds_paci.core.window_state`).
 * **Clipping** (``gradient_clipping`` = ``c`` > 0). Each stage clips its own non-tied gradient by its
   own norm (:mod:`ds_paci.core.local_step`); the tied total of a window, a clipping unit of its own,
   is scaled by ``min(1, c / (||total|| + 1e-6))`` (DeepSpeed's formula), computed from the total, so
   every owner scales it by the same factor. DeepSpeed instead scales everything by one factor from
-  the norm over all stages.
+  the norm over all stages. Verdict and factor are functions of the window's messages only, never of
+  when the window is applied, so a carried or checkpointed window gets the same treatment.
 * **Staleness.** The tied parameters are updated with gradients ``L`` windows (``L`` local steps)
   older than the rest of the model, on every owner alike; ``paci_stats()["tied"]`` reports ``L``.
 * **Transfers: NCCL-safe and bounded.** NCCL matches the point-to-point operations of a pair of
@@ -59,13 +63,28 @@ point-to-point transfers of stages that step at different ticks). The policy her
   tied parameters only); ZeRO's own reduce then carries zeros for them.
 * **Drain.** Each owner's last local step of a segment runs after the drain's last tick (nothing
   on that stage reads the weights in between): there every owner posts its last window, waits for
-  the peers' (all owners have posted by then) and applies the totals of every window not yet
-  applied (each with its own verdict and factor), summed in window order. A drained engine has
-  exchanged and applied everything, so checkpoints hold no gradient in flight (DeepSpeed saves the
-  tied module once, from the first owner, and broadcasts it on load; each stage's optimizer state,
-  identical across owners, is saved per stage as usual). Sync mode with ``a = M`` is the stock
-  engine and uses DeepSpeed's own ``ReduceTiedGrads`` (a synchronous all-reduce at a
-  synchronization point).
+  the peers' (all owners have posted by then). What it applies depends on the drain:
+
+  - A drain that **closes** the accumulation window (``drain()``: the end of training, a change of
+    the batch size) applies the totals of every window not yet applied (each with its own verdict
+    and factor), summed in window order, and waits on every send: nothing stays pending.
+  - A drain that **carries** the window (evaluation, checkpoints; ``begin_drain(..., carry=True)``)
+    applies only what a normal step applies: the last ``L`` windows stay pending into the next
+    segment, so the tied weights see the same windows at the same steps however often the run is
+    drained (and ``L + 1`` sends per peer stays the bound). The step is deferred there only when it
+    closes the segment's last micro-batch: with backward passes after it, the streams' own
+    dependencies cover its wait (the lag rule of :mod:`~ds_paci.core.tied_timing` holds for every
+    step that has a later micro-batch in its segment, whatever the carried fill), and deferring it
+    would let those backward passes join the window it steps.
+
+  At the end of a carrying drain, or of a closing drain without a step of its own (``drain()``
+  right after an evaluation), every owner waits for the pending receives (all posted by then) and
+  on all its sends (:meth:`TiedWeights._settle`): nothing is in flight across a drain. A checkpoint
+  then keeps the pending windows, flags included (:mod:`ds_paci.core.window_state`), and a resume
+  applies them at the same steps with the same verdicts; DeepSpeed saves the tied module once, from
+  the first owner, and broadcasts it on load; each stage's optimizer state, identical across owners,
+  is saved per stage as usual. Sync mode with ``a = M`` is the stock engine and uses DeepSpeed's own
+  ``ReduceTiedGrads`` (a synchronous all-reduce at a synchronization point).
 * **Check.** With ``"paci": {"check_tied_copies": true}`` the owners compare digests of their
   copies (weights and optimizer state) after every drain and after loading a checkpoint, through
   the same point-to-point exchange, and raise :class:`TiedCopiesDiverged` naming the key, the
@@ -83,6 +102,8 @@ from collections import deque
 import torch
 import torch.distributed as tdist
 
+from deepspeed.runtime.pipe.schedule import BackwardPass
+
 from .schedule import LocalStep
 from .tied_optimizer import TiedOptimizer
 from .tied_timing import tied_lag
@@ -95,6 +116,16 @@ _VERIFY_TAG = 1 << 30  # tags of the copy check; window exchanges use the weight
 
 class TiedCopiesDiverged(RuntimeError):
     """The copies of a tied parameter differ between owning stages (raised by the copy check)."""
+
+
+class Received:
+    """A receive that has completed (waited for at a drain, or a pending window restored from a checkpoint)."""
+
+    def wait(self):
+        return True
+
+    def is_completed(self):
+        return True
 
 
 def tied_owner_stages(module):
@@ -223,7 +254,9 @@ class TiedWeights:
                     p.ds_pipe_replicated = False
         self.mode = self.optimizer.mode
         self._totals = None  # {id(param): total or None}, from reduce_grads for step
-        self._final = None  # version of the segment's last step (set by begin_drain)
+        self._final = None  # version of the segment's last step, when deferred (set by begin_drain)
+        self._carry = False  # the current drain carries pending windows into the next segment
+        self._last_lag = None  # the lag of the previous step (set_train_batch_size may change it)
         self._deferred = None
         self.windows_exchanged = 0
         self.skipped_windows = 0
@@ -301,25 +334,28 @@ class TiedWeights:
                 self.clipped_windows += 1
         return total
 
-    def _reap_sends(self, ex, version, final):
+    def _reap_sends(self, ex, version, final, in_drain):
         """Wait on the sends the peers have certainly received by now (window ``<= version - L``), or on all."""
         for r, queue in ex.sends.items():
             while queue and (final or queue[0][0] <= version - self.lag):
                 v, work, _ = queue.popleft()
                 self._wait(work, f"waiting for rank {r} to take this rank's tied gradients of weight version {v} "
-                           f"(keys {ex.keys})", in_drain=final)
+                           f"(keys {ex.keys})", in_drain=in_drain)
 
-    def _due_total(self, ex, version, final):
+    def _due_total(self, ex, version, final, in_drain):
         """The total this step applies for ``ex`` (zeros when nothing is due yet), or ``None`` when skipped."""
         lag = self.lag
         due = sorted(ex.pending) if final else [v for v in sorted(ex.pending) if v <= version - lag]
-        if len(due) > (lag + 1 if final else 1):
+        # one window per step (all at a closing drain); after the lag shrank (set_train_batch_size, through a
+        # closing drain with no step of its own) the first step catches up on the windows the old lag held back
+        extra = max(0, (self._last_lag or lag) - lag)
+        if len(due) > (lag + 1 if final else 1) + extra:
             raise RuntimeError(f"tied exchange out of step: windows {due} pending at version {version}")
-        if not due:  # the first L steps of a segment
+        if not due:  # the first L steps of the run (or after a drain that applied everything)
             return torch.zeros(ex.numel, dtype=torch.float32, device=ex.device)
         applied = None
         for v in due:
-            t = self._window_total(ex, v, in_drain=final)
+            t = self._window_total(ex, v, in_drain=in_drain)
             if t is not None:
                 applied = t if applied is None else applied.add_(t)
         return applied
@@ -328,7 +364,8 @@ class TiedWeights:
     def reduce_grads(self, version):
         """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
         engine = self.engine
-        final = version == self._final
+        deferred = version == self._final
+        final = deferred and not self._carry  # the step that applies every window not yet applied
         if self.mode != "zero" or not self.exchanges:
             engine._exec_reduce_grads()
         if not self.exchanges:
@@ -338,14 +375,15 @@ class TiedWeights:
         for ex in self.exchanges:
             self._post(ex, version, self._message(ex, stage_finite))
             self.optimizer.clear(ex.params)
-            total = self._due_total(ex, version, final)
+            total = self._due_total(ex, version, final, deferred)
             offset = 0
             for p in ex.params:
                 self._totals[id(p)] = None if total is None else total[offset:offset + p.numel()]
                 offset += p.numel()
-            self._reap_sends(ex, version, final)
+            self._reap_sends(ex, version, final, deferred)
         if self.mode == "zero":
             engine._exec_reduce_grads()
+        self._last_lag = self.lag
 
     def step(self):
         """An owner's optimizer part of the local step (after :meth:`reduce_grads`); True if nothing was skipped."""
@@ -355,10 +393,25 @@ class TiedWeights:
         self.engine._step_applied = applied
         return applied
 
-    def begin_drain(self, ticks):
-        """Called with the drain's ticks before they run: the segment's last step will be deferred."""
-        versions = [i.version for tick in ticks for i in tick if isinstance(i, LocalStep)]
-        self._final = max(versions) if versions and self.exchanges else None
+    def begin_drain(self, ticks, carry=False):
+        """Called with the drain's ticks before they run: the segment's last step will be deferred.
+
+        ``carry``: the drain leaves the accumulation window open and the exchange keeps its last ``L`` windows
+        pending; the last step is then deferred only if no backward pass follows it (see the module docstring).
+        """
+        self._carry = carry
+        self._final = None
+        if not self.exchanges:
+            return
+        last, after = None, False
+        for tick in ticks:
+            for i in tick:
+                if isinstance(i, LocalStep):
+                    last, after = i.version, False
+                elif isinstance(i, BackwardPass):
+                    after = True
+        if last is not None and not (carry and after):
+            self._final = last
 
     def defer(self, cmd):
         """True when ``cmd`` is this owner's last step of the segment: it runs in :meth:`end_drain` instead."""
@@ -374,15 +427,45 @@ class TiedWeights:
         try:
             if cmd is not None:
                 watchdog.enter(cmd, tick)
-                run_step(cmd.version)
-            leftover = [v for ex in self.exchanges for v in ex.pending]
-            if leftover:
-                raise RuntimeError(f"tied gradients of versions {leftover} were not applied at the drain")
+                run_step(cmd)
+            if self._carry or cmd is None:  # nothing to apply them with: they stay pending for the next step
+                self._settle()
+            else:
+                leftover = [v for ex in self.exchanges for v in ex.pending]
+                if leftover:
+                    raise RuntimeError(f"tied gradients of versions {leftover} were not applied at the drain")
             if self.check:
                 self.verify("after a drain")
         finally:
             watchdog.idle()
             self._final = None
+            self._carry = False
+
+    def _settle(self):
+        """At the end of a drain that leaves windows pending: wait for their receives (every owner posted them
+        before the drain's end) and on every send, so nothing is in flight across the drain."""
+        watchdog = self.engine._watchdog
+        watchdog.enter("the tied exchange at the end of a drain", self.engine._stream.ticks_emitted)
+        for ex in self.exchanges:
+            for version, entry in sorted(ex.pending.items()):
+                for r, (work, message) in list(entry["recv"].items()):
+                    if isinstance(work, Received):
+                        continue
+                    self._wait(work, f"waiting for the tied gradients of weight version {version} (keys {ex.keys}) "
+                               f"from rank {r} at the end of a drain", in_drain=True)
+                    entry["recv"][r] = (Received(), message)  # a gloo receive must not be waited for twice
+            self._reap_sends(ex, None, final=True, in_drain=True)
+        watchdog.idle()
+
+    def load_pending(self, pending):
+        """Replace every exchange's pending windows by ``pending`` (one ``{version: {"own": message, "recv":
+        {rank: message}}}`` per exchange, as :mod:`ds_paci.core.window_state` restores them; ``None``: none)."""
+        for n, ex in enumerate(self.exchanges):
+            ex.pending = {}
+            ex.sends = {r: deque() for r in ex.peers}
+            for version, entry in ((pending or [{}] * len(self.exchanges))[n]).items():
+                ex.pending[int(version)] = {"own": entry["own"].to(ex.device),
+                                            "recv": {r: (Received(), m.to(ex.device)) for r, m in entry["recv"].items()}}
 
     # -- the copy check --------------------------------------------------------------------------
     def snapshot(self):

@@ -39,11 +39,22 @@ it after the drain's last tick, where every owner posts before it waits.
 clocks (only send -> receive edges count, so the result holds for buffered and rendezvous
 transports alike); the tests run it over a grid of ``P``, ``a``, ``M``, calls and owner sets and
 find the formula exact (``L - 1`` fails). Pure Python: no process group, no tensor.
+
+**Windows carried across drains** (evaluation and checkpoints leave the accumulation window open and
+the exchange keeps its last ``L`` windows pending into the next segment, :mod:`ds_paci.core.tied`):
+windows are then numbered over the whole stream, and a segment may start with ``f`` backward passes
+already in its open window. The argument above is unchanged: both ``m'`` and the backward of window
+``k`` shift by ``f``, so ``La >= j - i + 1`` still covers the steady state, and a step with a later
+micro-batch in its segment is covered by ``La >= P - i - 1``. A window due from an earlier segment was
+posted before the drain ended, which precedes every step of the next segment (each follows a transfer
+of that segment from the peer's side of the pipeline). The only step not covered is a segment's last
+step when it follows the segment's last backward: the engine defers it to after the drain.
+``tied_wait_violations(..., carried=True)`` checks exactly this.
 """
 
 import math
 
-from deepspeed.runtime.pipe.schedule import RecvActivation, RecvGrad, SendActivation, SendGrad
+from deepspeed.runtime.pipe.schedule import BackwardPass, RecvActivation, RecvGrad, SendActivation, SendGrad
 
 from .schedule import LocalStep
 
@@ -82,6 +93,8 @@ def _execute(segments):
     grad_read = [0] * P
     steps = {}
     window = [dict() for _ in range(P)]  # stage -> {segment: windows so far}
+    by_version = {}  # (stage, LocalStep.version) -> (segment, clock, whether a backward follows it in the segment)
+    last_backward = [{g: n for n, (g, ins) in enumerate(ops) if isinstance(ins, BackwardPass)} for ops in flat]
     progressed = True
     while progressed:
         progressed = False
@@ -112,26 +125,50 @@ def _execute(segments):
                     k = window[s].get(g, 0) + 1
                     window[s][g] = k
                     steps[(s, g, k)] = list(vc)
+                    by_version[(s, ins.version)] = (g, list(vc), pos[s] < last_backward[s].get(g, -1))
                 pos[s] += 1
                 progressed = True
     stuck = [s for s in range(P) if pos[s] < len(flat[s])]
     if stuck:
         raise ValueError(f"streams deadlock (stages {stuck} wait for messages that are never sent)")
-    return steps, window
+    return steps, window, by_version
 
 
-def tied_wait_violations(segments, owner_stages, lag, last_segment_drained=True):
+def _carried_violations(by_version, owners, lag, n_segments, last_segment_drained):
+    out = []
+    last_of = {}
+    for (o, version), (g, _, _) in by_version.items():
+        last_of[(o, g)] = max(version, last_of.get((o, g), 0))
+    for (o, version), (g, mine, followed) in sorted(by_version.items()):
+        if o not in owners or version - lag < 1:
+            continue
+        drained = g < n_segments - 1 or last_segment_drained
+        if drained and version == last_of[(o, g)] and not followed:
+            continue  # deferred to after the drain
+        for q in owners:
+            if q != o and by_version[(q, version - lag)][1][q] > mine[q]:
+                out.append(f"segment {g}: stage {o} at its step {version} would wait for stage {q}'s window "
+                           f"{version - lag}, which the streams do not guarantee has been posted")
+    return out
+
+
+def tied_wait_violations(segments, owner_stages, lag, last_segment_drained=True, carried=False):
     """Waits of the tied exchange that the streams do not make free; empty when ``lag`` is safe.
 
     ``segments[s]`` is stage ``s``'s list of segments (the ticks between two drains, as
     :meth:`PACIStream.advance` and :meth:`PACIStream.drain` return them). For every owner and
     every step ``k`` of a segment with ``k - lag >= 1`` (except the last step of a drained
     segment, which runs after the drain) each peer's step ``k - lag`` must happen before it.
+    ``carried``: windows are numbered over the whole stream (``LocalStep.version``; the exchange
+    carries pending windows across drains), and only a drained segment's last step that no backward
+    pass follows is exempt (see the module docstring).
     """
-    steps, windows = _execute(segments)
+    steps, windows, by_version = _execute(segments)
     owners = sorted(set(owner_stages))
-    out = []
     n_segments = max(len(seg) for seg in segments)
+    if carried:
+        return _carried_violations(by_version, owners, lag, n_segments, last_segment_drained)
+    out = []
     for g in range(n_segments):
         counts = {o: windows[o].get(g, 0) for o in owners}
         if len(set(counts.values())) > 1:

@@ -6,9 +6,10 @@ semantics: a forward uses the stage's weights current at that moment (with ``--m
 lookahead``, the look-ahead's prediction for forwards the stream tags ``crosses_step``, through
 the engine's own :class:`~ds_paci.core.lookahead.LookAhead`); a backward runs through the weights
 current at backward time (optimizers step on ``.data`` aliases); each stage takes its own AdamW
-step after every ``a`` backward passes; the last stage scales its loss by ``1/a``; streams are
-drained before each validation, as the main job and the benchmark do. ``--mode sync`` drains
-after every batch (the stock engine's math).
+step after every ``a`` backward passes and steps its LR scheduler ``LocalStep.lr_steps`` times (one
+per ``M`` micro-batches stepped); the last stage scales its loss by ``1/a``; streams are drained
+before each validation, leaving a partial window open, as the main job does, and closed at the end.
+``--mode sync`` drains after every batch (the stock engine's math).
 
 It reproduces the engine's validation losses on the default job (lr 3e-3: sync 4.8010 and PACI
 4.9640, as ``make train-flush`` and ``make train`` without look-ahead; lr 1.5e-3 with look-ahead:
@@ -98,7 +99,7 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
                                              cos_min_ratio=cos_min_ratio))
         else:
             schedulers.append(None)
-    streams = [PACIStream(stages, s, window) for s in range(stages)]
+    streams = [PACIStream(stages, s, window, micro_batches) for s in range(stages)]
     batches, outputs, inputs, grads = {}, {}, {}, {}
 
     def forward(s, m):
@@ -136,8 +137,9 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
                         aliases[s].release_grads()
                         for p in parts[s].parameters():
                             p.grad = None
-                        if schedulers[s] is not None:
-                            schedulers[s].step()
+                        if schedulers[s] is not None:  # the engine's rule: one step per M micro-batches stepped
+                            for _ in range(cmd.lr_steps):
+                                schedulers[s].step()
                         if lookaheads[s] is not None:
                             lookaheads[s].after_step()
 
@@ -150,7 +152,9 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     for step in range(1, steps + 1):
         execute([st.advance(2 * micro_batches) for st in streams])
         if mode == "sync" or step % eval_every == 0 or step == steps:
-            execute([st.drain() for st in streams])
+            # as the engine: evaluation leaves a partial window open; sync mode (a = M) and the end close it
+            close = mode == "sync" or step == steps
+            execute([st.drain(close_window=close) for st in streams])
         if step % eval_every == 0 or step == steps:
             curve.append((step, evaluate()))
             if echo:

@@ -90,7 +90,7 @@ def train_with_evaluations(engine, cfg: BenchConfig, train_iter, val_batches, me
                 value = None if loss is None else float(loss)
                 losses.append(None if value is None or value != value else value)  # NaN: no value yet
             if is_paci:
-                engine.drain()
+                engine.drain(close_window=False)  # as eval_batch: no extra local step
         if tracer is not None:
             tracer.active = False
         segments.append({"first_call": first_call, "calls": length, "start": segment_start, "end": time.time()})
