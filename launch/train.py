@@ -545,22 +545,12 @@ def run(argv=None):
         return EXIT_NONFINITE
 
 
-def _lost_peers_explain(exc):
-    """A transfer that failed because the peer watch found ranks lost: its line ends this rank, not a traceback."""
-    from ds_paci.core import liveness
-    text = str(exc)
-    if not liveness.watching() or not isinstance(exc, RuntimeError) or not any(
-            word in text for word in ("Connection", "connection", "gloo", "closed", "peer")):
-        return
-    if liveness.failure_verdict(wait=liveness.GRACE + 3 * liveness.HEARTBEAT) is not None:
-        os._exit(liveness.EXIT_CODE)  # the watch thread exits too; whichever is first
-
-
 if __name__ == "__main__":
     try:
         code = run()
     except Exception as exc:
-        _lost_peers_explain(exc)
+        from ds_paci.core.liveness import exit_if_lost
+        exit_if_lost(exc)  # a transfer failed because a node was lost: the peer watch's line ends this rank
         # A failing rank ends at once (its peers and the launcher wait on it): no slow interpreter teardown.
         import traceback
         traceback.print_exc()

@@ -18,8 +18,9 @@ process group's timeout, 30 minutes by default). Public contract:
 * :func:`farewell`: a rank that ends on purpose (at the end of training, after an agreed stop) says so first, so
   it is not counted as lost. Registered with ``atexit`` and with :func:`ds_paci.core.lifecycle.on_exit`; a job
   that leaves with ``os._exit`` calls it first (the main job does).
-* :func:`failure_verdict`: the lost ranks, if a verdict arrives within ``wait`` seconds; a job whose transfer
-  raised calls it so that the verdict's line, not a traceback, ends the rank.
+* :func:`failure_verdict`: the lost ranks, if a verdict arrives within ``wait`` seconds; :func:`exit_if_lost`: a
+  job whose transfer raised calls it so that the verdict's line, not a traceback, ends the rank (the main job and
+  ``ds_paci.run`` do).
 
 Bound (stated in the README and checked by ``tests/test_multinode.py`` with a wide margin): once every process of
 a node is killed, every other rank has printed or received the verdict within about a second plus the time to
@@ -276,6 +277,17 @@ def failure_verdict(wait):
         return None
     watch.verdict_event.wait(wait)
     return watch.verdict
+
+
+def exit_if_lost(exc):
+    """If ``exc`` is a failed transfer and the watch finds ranks lost, end this rank as the verdict does (its line,
+    not a traceback, tells what happened); otherwise return. Jobs call it on an exception before reporting it."""
+    text = str(exc)
+    if not watching() or not isinstance(exc, RuntimeError) or not any(
+            word in text for word in ("Connection", "connection", "gloo", "closed", "peer")):
+        return
+    if failure_verdict(wait=GRACE + 3 * HEARTBEAT) is not None:
+        os._exit(EXIT_CODE)  # the watch thread ends the process too; whichever comes first
 
 
 def watching():
