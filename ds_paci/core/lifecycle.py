@@ -173,8 +173,12 @@ class StopController:
                 if code in _STOP_SIGNALS:
                     reason = f"{signal_name(code)} received"
                     watcher = _watcher
-                    gone = watcher.gone() if code == signal.SIGTERM and watcher is not None else None
-                    if gone is not None:  # the parent-death signal, or a launcher's SIGTERM as it dies
+                    gone = None
+                    if code == signal.SIGTERM and watcher is not None:
+                        # the parent-death signal: the kernel reparents this process before sending it, while the
+                        # dead launcher may not look dead in /proc yet
+                        gone = watcher.parent if os.getppid() != watcher.parent else watcher.gone()
+                    if gone is not None:
                         code, reason = PARENT_DEATH, f"launcher process {gone} is gone (SIGTERM received)"
                     self.request_stop(code, reason)
 
