@@ -151,12 +151,14 @@ def check_config(ds_config, world_size, stages, config_path, tie_embeddings=Fals
                          "cannot reach them; remove the offload or drop --tie-embeddings (untie the layers)")
 
 
-def check_inputs(args, world_size):
+def check_inputs(args, world_size, one_disk=True):
     """Validate everything a rank can check on its own; returns (ds_config, corpus documents, stages, resume plan).
 
-    Every rank reaches the same verdict, so a bad input ends all of them together. The
+    On one node every rank reaches the same verdict, so a bad input ends all of them together. The
     resume plan is ``(tag, note)``: the checkpoint ``--resume`` loads (the one ``latest``
-    names if it is complete, else the last complete one, with a one-line note saying so).
+    names if it is complete, else the last complete one, with a one-line note saying so). With
+    ``one_disk=False`` (a run across nodes, whose disks may differ) the plan is left to
+    :func:`agree_start` (``None`` here).
     """
     from ds_paci.core.checkpoint import CheckpointError, resume_tag
     from ds_paci.core.config import PACIConfigError, load_config
@@ -175,6 +177,7 @@ def check_inputs(args, world_size):
     if args.resume:
         if not args.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir <directory written by an earlier run>")
+    if args.resume and one_disk:
         if not os.path.isdir(args.checkpoint_dir):
             raise UsageError(f"--checkpoint-dir {args.checkpoint_dir} holds no checkpoint (no such folder); point it "
                              "at a directory an earlier run saved into, or drop --resume")
@@ -236,16 +239,51 @@ class Reporter:
             self.file.close()
 
 
+def agree_start(error, args):
+    """A run across nodes: every rank's verdict on its own inputs, agreed (a bad input on one node ends every node,
+    where it would otherwise leave the others waiting in the process group's rendezvous), then the resume plan
+    agreed over every rank's disk. A collective; returns ``(exit code or None, resume plan)``."""
+    import torch.distributed as tdist
+
+    from ds_paci.core import checkpoint
+    from ds_paci.core.nodes import gather_node_map
+    nodes = gather_node_map()
+    errors = [None] * tdist.get_world_size()
+    tdist.all_gather_object(errors, None if error is None else str(error))
+    bad = [r for r, e in enumerate(errors) if e]
+    line = None
+    if bad:
+        same = [r for r in bad if errors[r] == errors[bad[0]]]
+        line = ("" if len(same) == len(errors) else f"on {nodes.describe(same)}: ") + errors[bad[0]]
+    plan = None
+    if line is None and args.resume:
+        try:
+            plan = checkpoint.agreed_resume_tag(args.checkpoint_dir)
+        except checkpoint.CheckpointError as e:
+            line = f"--checkpoint-dir {e}; point it at a folder an earlier run saved into, or drop --resume"
+    if line is None:
+        return None, plan
+    if tdist.get_rank() == 0:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    tdist.destroy_process_group()
+    return EXIT_USAGE, None
+
+
 def main(argv=None):
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    from ds_paci.core.nodes import launched_nodes
+    across_nodes = launched_nodes() > 1  # disks and data paths may differ by node: verdicts are agreed (agree_start)
+    error = None
     try:
-        ds_config, docs, stages, resume_plan = check_inputs(args, world_size)
+        ds_config, docs, stages, resume_plan = check_inputs(args, world_size, one_disk=not across_nodes)
     except UsageError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        if not across_nodes:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        error = e
 
     # Stops: during start-up a signal ends this rank at once; from the first step on it stops every rank
     # at an agreed step, drains, saves (with --checkpoint-dir) and exits 128+signal (see ds_paci.core.lifecycle).
@@ -268,6 +306,8 @@ def main(argv=None):
     from ds_paci.workload.gpt2 import gpt2_pipeline
 
     try:
+        if error is not None:
+            raise error
         train_docs, val_docs = split_documents(docs)
         tokenizer = get_tokenizer(args.tokenizer, train_docs=train_docs)
         model_cfg = build_model_config(args, tokenizer.vocab_size, tokenizer.eos_id, stages)
@@ -277,17 +317,22 @@ def main(argv=None):
         val_batches = eval_micro_batches(val_tokens, micro, args.seq_len, count=args.eval_batches * gas)
         MicroBatchIterator(train_tokens, micro, args.seq_len)  # validates the corpus is long enough
     except (UsageError, DataError, ValueError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
+        if not across_nodes:
+            if rank == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        error = e
 
+    ds_paci.init_distributed(dist_backend="gloo" if deepspeed.get_accelerator().device_name() == "cpu" else None)
+    if across_nodes:
+        code, resume_plan = agree_start(error, args)
+        if code is not None:
+            return code
     sched = ds_config.get("scheduler", {}).get("params", {})
     if "total_num_steps" in sched:
         sched["total_num_steps"] = args.steps  # the schedule spans this run
         if sched.get("warmup_num_steps", 0) >= args.steps:
             sched["warmup_num_steps"] = max(1, args.steps // 10)
-
-    ds_paci.init_distributed(dist_backend="gloo" if deepspeed.get_accelerator().device_name() == "cpu" else None)
     model = gpt2_pipeline(model_cfg, num_stages=stages, seed=args.seed, device_time=args.device_time,
                           tie_embeddings=args.tie_embeddings)
     args_for_ds = argparse.Namespace(local_rank=args.local_rank, deepspeed_config=None)
@@ -504,13 +549,18 @@ def run(argv=None):
 if __name__ == "__main__":
     try:
         code = run()
-    except Exception:
+    except Exception as exc:
+        from ds_paci.core.liveness import exit_if_lost
+        exit_if_lost(exc)  # a transfer failed because a node was lost: the peer watch's line ends this rank
         # A failing rank ends at once (its peers and the launcher wait on it): no slow interpreter teardown.
         import traceback
         traceback.print_exc()
         code = 1
     except KeyboardInterrupt:  # SIGINT before the stop handlers are installed (start-up)
         code = 128 + 2
+    if code != 1:  # ending on purpose (a crash is left for the peer watch to report as a lost rank)
+        from ds_paci.core.liveness import farewell
+        farewell()
     if code:  # an error or a stop: everything is saved and flushed; skip the interpreter's slow teardown
         sys.stdout.flush()
         sys.stderr.flush()

@@ -78,7 +78,7 @@ CASES = [
      ["tests/test_reliability.py::test_signal_to_runner_or_launcher_ends_every_rank"]),
     ("Stops", "`kill -9` of the launcher (`deepspeed.launcher.launch`)",
      "SIGKILL to the launcher",
-     "the parent-death signal reaches every rank: they stop, save and end within 10 s",
+     "the parent-death signal reaches every rank: they stop (`launcher exit`), save and end within 10 s",
      ["tests/test_reliability.py::test_signal_to_runner_or_launcher_ends_every_rank"]),
     ("Stops", "SIGINT / SIGTERM handling in a rank",
      "signals to a process with a `StopController` (immediate and graceful modes, blocked main thread, repeated "
@@ -100,6 +100,46 @@ CASES = [
      "the message to the exited stage is dropped (`LossChannel.gone`), never raised: the last stage and stage 0 end "
      "normally and stage 0 still receives every loss",
      ["tests/test_loss_channel.py::test_a_stage_that_exits_after_its_drain_does_not_fail_the_last_stages_publish"]),
+    # -- nodes ----------------------------------------------------------------------------------------------
+    ("Nodes", "every process of one node killed",
+     "two nodes on one machine (one `deepspeed --no_ssh --node_rank R` launcher each); `kill -9` of node 1's whole "
+     "session: PP=2 with a stage per node (node-local disks, tied embedding), and PP=2 x DP=2 with stage 1's "
+     "replicas on both nodes (shared folder)",
+     "the other node's ranks end within 30 s (measured: about 3-4 s) with exit code 87 and exactly one line naming "
+     "the lost ranks by node, no traceback; `latest` names the last complete checkpoint on every disk; `--resume` "
+     "continues with the uninterrupted run's losses, bit for bit",
+     ["tests/test_multinode.py::test_one_stage_per_node_tied_node_local_disks_node_killed_and_resumed_exactly",
+      "tests/test_multinode.py::test_replicas_across_nodes_shared_folder_node_killed_and_resumed_exactly"]),
+    ("Nodes", "one node's launcher killed",
+     "`kill -9` of node 1's `deepspeed.launcher.launch` during a resumed run",
+     "its rank stops (parent-death signal) and every rank of both nodes agrees on the stop step, saves there on both "
+     "node-local disks and ends within 30 s; the line names `launcher exit on rank 1`",
+     ["tests/test_multinode.py::test_one_stage_per_node_tied_node_local_disks_node_killed_and_resumed_exactly"]),
+    ("Nodes", "node-local disks (with or without `use_node_local_storage`)",
+     "four ranks as two nodes, each node's disk bind-mounted at the same path (mount namespaces); a stage's "
+     "replicas on both nodes, so node 1's ranks write no file themselves",
+     "each disk commits its own files plus copies of what its ranks load; `latest` on both; every rank loads",
+     ["tests/test_multinode.py::test_node_local_disks_each_commit_and_hold_what_their_ranks_load"]),
+    ("Nodes", "a commit failing on one node",
+     "node 1's committer gets ENOSPC renaming its staging folder (after node 0 renamed its own)",
+     "every rank raises one line naming node 1 and the error; `latest` stays on the previous checkpoint on both "
+     "disks; loading the half-committed tag is refused naming node 1",
+     ["tests/test_multinode.py::test_latest_moves_only_once_every_disk_has_committed"]),
+    ("Nodes", "a checkpoint partial on one node's disk",
+     "a layer file deleted on node 1's disk",
+     "every rank refuses with one line naming node 1, its file and the last checkpoint complete on every node; "
+     "`--resume` falls back to it; a re-save of the tag mends node 1",
+     ["tests/test_multinode.py::test_a_partial_checkpoint_on_one_node_is_refused_everywhere_naming_its_file"]),
+    ("Nodes", "`use_node_local_storage` on a shared folder, or with a placement DeepSpeed cannot save",
+     "the flag on with one folder for all; the flag on with no replica of stage 1 at local rank 0",
+     "shared: one committer (no rename race), the manifest from every rank's report; unsaveable: refused with one "
+     "line naming the file nobody wrote, `latest` untouched",
+     ["tests/test_multinode.py::test_use_node_local_storage_is_honoured_or_refused"]),
+    ("Nodes", "a bad input on one node only",
+     "the main job's `--data` missing on node 1",
+     "both nodes exit 2 with one `error:` line naming node 1 (verdicts agreed after the process group starts; no "
+     "rendezvous hang)",
+     ["tests/test_multinode.py::test_the_runner_and_a_bad_input_across_nodes"]),
     # -- hangs and dead peers (earlier suites) ----------------------------------------------------------
     ("Hangs", "a stage that never joins its stream (stuck neighbour)",
      "stage 1 sleeps instead of training",

@@ -238,8 +238,8 @@ def test_signal_to_runner_or_launcher_ends_every_rank(tmp_path, target, sig):
     step = _stop_step(run)  # a clean stop, not a crash: agreed step, checkpoint saved
     tag = checkpoint.read_latest(ckpt)
     assert checkpoint.verify(os.path.join(ckpt, tag))[0] == "complete" and step_of(ckpt, tag) == step
-    reason = "launcher exit" if target == "runner" else "SIGTERM"
-    assert f"stopping: {reason} on rank" in out, out[-2000:]
+    # the runner's death is seen by the 1 s poll; the launcher's by the parent-death signal: both name the launcher
+    assert "stopping: launcher exit on rank" in out, out[-2000:]
 
 
 def _lifecycle_script(body):

@@ -14,40 +14,56 @@ Public contract
 :func:`save_checkpoint` runs for any DeepSpeed engine) keeps DeepSpeed's layout, so the
 result is an ordinary DeepSpeed checkpoint (a stock engine, or Megatron's
 ``load_checkpoint(dir, tag=...)``, reads it) plus one file, ``<tag>/ds_paci_manifest.json``
-(the relative path and size of every file of the checkpoint, written last). Every rank
-calls it (a save is collective, as in DeepSpeed):
+(the relative path and size of every file of the checkpoint on that disk, the save's id and
+time, written last). Every rank calls it (a save is collective, as in DeepSpeed):
 
-1. All ranks agree on a staging name ``.ds_paci-staging.<tag>.<nonce>`` (rank 0's nonce,
-   broadcast). The committer removes stale ``.ds_paci-*`` folders of earlier, killed saves
-   (never the one ``latest`` names). Barrier.
+1. All ranks agree on a save id and time (rank 0's, broadcast) and the staging name
+   ``.ds_paci-staging.<tag>.<id>``, and find out which ranks share a disk
+   (:func:`ds_paci.core.checkpoint_disks.probe_disks`: one exclusive create per rank; not
+   taken from DeepSpeed's ``use_node_local_storage``). Each disk's committer (its lowest rank)
+   removes stale ``.ds_paci-*`` folders of earlier, killed saves (never the one ``latest``
+   names). Barrier.
 2. Every rank runs DeepSpeed's own ``save_checkpoint`` into the staging folder with
-   ``save_latest=False``; each file is fsynced after it is written. DeepSpeed ends with a
-   barrier: now every file of every rank is on disk.
-3. The committer (global rank 0; with ``use_node_local_storage``, local rank 0 of each node)
-   writes the manifest into the staging folder, then renames the staging folder to
-   ``<tag>``, then replaces ``latest`` (``latest.tmp`` + ``os.replace``). If ``<tag>``
-   already exists (a re-save of the same tag), ``latest`` first names the complete
-   staging folder, the old ``<tag>`` is moved aside, a hard-linked copy of the staging
-   folder is renamed to ``<tag>``, and only then does ``latest`` name ``<tag>`` again.
+   ``save_latest=False`` (DeepSpeed decides who writes what, ``use_node_local_storage``
+   included); each file is fsynced after it is written and recorded with its size. DeepSpeed
+   ends with a barrier. Every rank's record is gathered (the manifest is built from these
+   reports, never from a directory walk, which on NFS may miss other clients' files). A disk
+   lacking a file one of its ranks will load (a stage's layer files, written by data-parallel
+   rank 0 on another node) receives a copy (:func:`~ds_paci.core.checkpoint_disks.replicate`).
+3. One disk for all ranks: its committer writes the manifest into the staging folder, renames
+   the staging folder to ``<tag>``, then replaces ``latest`` (``latest.tmp`` + ``os.replace``).
+   If ``<tag>`` already exists (a re-save of the same tag), ``latest`` first names the complete
+   staging folder, the old ``<tag>`` is moved aside, a hard-linked copy of the staging folder
+   is renamed to ``<tag>``, and only then does ``latest`` name ``<tag>`` again.
+   Several disks (node-local disks): in three steps with a collective between them, every
+   committer writes its disk's manifest; every committer renames its staging folder to
+   ``<tag>`` (an old ``<tag>`` moved aside first); only then does each committer replace its
+   ``latest``. A committer's error stops the save on every rank with one line naming its node.
 4. Barrier.
 
-So ``latest`` only ever moves from one complete folder to another, and a folder named
-``<tag>`` only ever appears complete. A kill at any point leaves at worst a hidden
-``.ds_paci-*`` folder, removed by the next save.
+So on every disk ``latest`` only ever moves from one complete folder to another, a folder named
+``<tag>`` only ever appears complete, and with several disks ``latest`` moves only once every
+disk holds the new save. A kill at any point leaves at worst a hidden ``.ds_paci-*`` folder,
+removed by the next save.
 
 :func:`verify` checks a checkpoint folder against its manifest (each file present with the
-recorded size); :func:`resolve_tag` is what loading runs first: it reads ``latest`` (or
-takes the explicit tag), verifies, and raises :class:`CheckpointError` with one line naming
-the missing or truncated file and the last complete tag. Folders without a manifest
-(stock DeepSpeed, older ds_paci) load with a warning. :func:`last_complete` lists the
-newest complete checkpoint of a folder (used by the main job's ``--resume`` fallback).
+recorded size). Loading (:func:`verified_tag`, run by every ``load_checkpoint`` here) is agreed
+by all ranks (:mod:`ds_paci.core.checkpoint_choice`): each rank describes its own disk, and the
+save loaded is one that is complete on every rank's disk; otherwise every rank raises
+:class:`CheckpointError` with one line naming the node, its missing or truncated file and the
+last checkpoint complete on every node. Folders without a manifest (stock DeepSpeed, older
+ds_paci) load with a warning. :func:`resume_tag` (one disk, file system only) and
+:func:`agreed_resume_tag` (all ranks) give what a resume loads: ``latest``, else the newest
+complete checkpoint (the main job's ``--resume`` fallback). :func:`last_complete` lists the
+newest complete checkpoint of a folder.
 
 An engine whose DeepSpeed checkpoint engine is *decoupled* (asynchronous writer) saves
 the DeepSpeed way, with a warning: its files are not on disk when the save returns.
 
 Fault injection (tests): :func:`set_fault_hook` installs ``hook(event, path)`` called at
 every step that touches the disk: ``"write"`` / ``"written"`` around each checkpoint file
-(on the writing rank), ``"manifest"``, ``"rename"``, ``"link"``, ``"latest"`` (committer).
+(on the writing rank), ``"receive"`` (a copy for another disk, on its receiver), ``"manifest"``,
+``"rename"``, ``"link"``, ``"latest"`` (committer).
 """
 
 import errno
@@ -57,20 +73,14 @@ import os
 import shutil
 import time
 
-MANIFEST = "ds_paci_manifest.json"
-MANIFEST_FORMAT = "ds_paci-checkpoint/1"
-HIDDEN_PREFIX = ".ds_paci-"
-_STAGING = HIDDEN_PREFIX + "staging."
-_LINKING = HIDDEN_PREFIX + "linking."
-_REPLACED = HIDDEN_PREFIX + "replaced."
-LATEST = "latest"
+from . import checkpoint_choice as choice
+from . import checkpoint_disks as disks
+from .checkpoint_files import (_INTERRUPTED, _LINKING, _REPLACED, _STAGING, ABSENT, COMPLETE, HIDDEN_PREFIX,  # noqa: F401
+                               INCOMPLETE, LATEST, LEGACY, MANIFEST, MANIFEST_FORMAT, CheckpointError, read_latest,
+                               verify)
 
 _fault_hook = None
 _warned = set()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded as asked; the message is one line naming the file and the last complete tag."""
 
 
 def set_fault_hook(hook):
@@ -103,27 +113,6 @@ def _fsync_path(path, directory=False):
         pass  # some file systems refuse fsync on directories; the data is still written
     finally:
         os.close(fd)
-
-
-def _list_files(folder):
-    """``{relative posix path: size}`` of every file below ``folder`` (the manifest excluded)."""
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, folder).replace(os.sep, "/")
-            if rel != MANIFEST:
-                out[rel] = os.path.getsize(full)
-    return out
-
-
-def read_latest(save_dir):
-    """The tag ``<save_dir>/latest`` names, or ``None`` when there is no such file."""
-    try:
-        with open(os.path.join(save_dir, LATEST)) as f:
-            return f.read().strip() or None
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return None
 
 
 def _write_latest(save_dir, tag):
@@ -161,42 +150,6 @@ def _link_tree(src, dst):
 
 
 # -- verification -------------------------------------------------------------------------------
-COMPLETE, LEGACY, INCOMPLETE, ABSENT = "complete", "legacy", "incomplete", "absent"
-
-
-def verify(folder):
-    """``(status, detail, manifest)`` of a checkpoint folder.
-
-    ``status`` is ``"complete"`` (every file of the manifest present with its size),
-    ``"legacy"`` (a folder without a manifest: written by stock DeepSpeed or an older
-    ds_paci; nothing can be verified), ``"incomplete"`` (``detail`` names the missing,
-    truncated or changed file, or the unreadable manifest) or ``"absent"``.
-    """
-    if not os.path.isdir(folder):
-        return ABSENT, f"{folder} does not exist", None
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(path):
-        return LEGACY, f"{folder} has no {MANIFEST}", None
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-        if manifest.get("format") != MANIFEST_FORMAT or not isinstance(files, dict):
-            raise ValueError("unknown format")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return INCOMPLETE, f"its manifest {path} is unreadable ({type(e).__name__})", None
-    for rel, size in sorted(files.items()):
-        full = os.path.join(folder, *rel.split("/"))
-        try:
-            actual = os.path.getsize(full)
-        except OSError:
-            return INCOMPLETE, f"{full} is missing", manifest
-        if actual != size:
-            kind = "truncated" if actual < size else "changed"
-            return INCOMPLETE, f"{full} is {kind} ({actual:,} of {size:,} bytes)", manifest
-    return COMPLETE, "", manifest
-
-
 def complete_checkpoints(save_dir):
     """Complete (manifest-verified) checkpoints in ``save_dir``, newest first, as ``[(tag, manifest)]``."""
     found = []
@@ -221,31 +174,16 @@ def last_complete(save_dir):
 
 
 def resume_tag(save_dir):
-    """``(tag, note)``: what a resume should load from ``save_dir``. Reads the file system only.
+    """``(tag, note)``: what a resume should load from ``save_dir``, as this rank's disk alone says.
 
     The tag ``latest`` names when that checkpoint is complete (``note`` is ``None``) or has no
     manifest (``note`` says it is loaded unverified); otherwise the newest complete
     checkpoint, with a one-line ``note`` saying why. Raises :class:`CheckpointError` when
-    there is none.
+    there is none. Reads the file system only; :func:`agreed_resume_tag` is the same choice
+    made by all ranks together (for disks that differ between nodes).
     """
-    latest = read_latest(save_dir)
-    last = last_complete(save_dir)
-    if latest is not None:
-        status, detail, _ = verify(os.path.join(save_dir, latest))
-        if status == COMPLETE:
-            return latest, None
-        if status == LEGACY:
-            return latest, (f"checkpoint '{latest}' has no {MANIFEST} (saved by stock DeepSpeed or an older ds_paci); "
-                            "loading it unverified")
-        why = "does not exist" if status == ABSENT else f"is incomplete ({detail})"
-        if last is not None:
-            return last, (f"'latest' names '{latest}', which {why}; resuming from the last complete checkpoint "
-                          f"'{last}'")
-        raise CheckpointError(f"{save_dir} holds no complete checkpoint: 'latest' names '{latest}', which {why}, and "
-                              "no other complete checkpoint folder is there")
-    if last is not None:
-        return last, f"{save_dir} has no 'latest' file; resuming from the last complete checkpoint '{last}'"
-    raise CheckpointError(f"{save_dir} holds no checkpoint (no 'latest' file and no complete checkpoint folder)")
+    names, note = choice.choose([choice.local_view(save_dir)], save_dir, "resume")
+    return names[0], note
 
 
 def resolve_tag(load_dir, tag=None):
@@ -254,35 +192,22 @@ def resolve_tag(load_dir, tag=None):
     Raises :class:`CheckpointError` (one line) when that checkpoint is absent or incomplete;
     warns once when it has no manifest. Reads the file system only.
     """
-    if tag is None:
-        tag = read_latest(load_dir)
-        if tag is None:
-            return None
-        named = f"'latest' names '{tag}', but"
-    else:
-        tag = str(tag)
-        named = f"tag '{tag}':"
-    folder = os.path.join(load_dir, tag)
-    status, detail, _ = verify(folder)
-    if status == COMPLETE:
-        return tag
-    if status == LEGACY:
-        _warn_once(folder, f"ds_paci: checkpoint {folder} has no {MANIFEST} (written by stock DeepSpeed or an older "
-                   "ds_paci), so its completeness cannot be checked; loading it as is")
-        return tag
-    last = last_complete(load_dir)
-    hint = (f"the last complete checkpoint is '{last}' (load it with tag='{last}'; the main job's --resume falls back "
-            "to it)" if last else "no complete checkpoint is in this folder")
-    what = "does not exist" if status == ABSENT else f"is incomplete: {detail}"
-    raise CheckpointError(f"cannot load checkpoint from {load_dir}: {named} {folder} {what}; {hint}")
+    tag = None if tag is None else str(tag)
+    names, note = choice.choose([choice.local_view(load_dir, tag)], load_dir, "latest" if tag is None else "tag")
+    if note:
+        _warn_once(note, f"ds_paci: {note}")
+    return names[0]
 
 
 # -- saving -------------------------------------------------------------------------------------
 class _SyncedWrites:
-    """Wraps a DeepSpeed checkpoint engine: every file it saves is fsynced and reported to the fault hook."""
+    """Wraps a DeepSpeed checkpoint engine: every file it saves is fsynced, reported to the fault hook, and recorded
+    (``files``: path relative to ``folder`` -> size, as the writer sees it after the fsync)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, folder):
         self._inner = inner
+        self._folder = folder
+        self.files = {}
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -291,22 +216,20 @@ class _SyncedWrites:
         _fire("write", path)
         self._inner.save(state_dict, path)
         _fsync_path(path)
+        rel = os.path.relpath(os.fspath(path), self._folder).replace(os.sep, "/")
+        if not rel.startswith("../"):
+            self.files[rel] = os.path.getsize(path)
         _fire("written", path)
 
 
-def _is_committer(engine):
-    if getattr(engine, "use_node_local_storage", lambda: False)():
-        return int(getattr(engine, "local_rank", 0) or 0) == 0
-    from deepspeed import comm as dist
-    return dist.get_rank() == 0
-
-
 def _agree_nonce(engine):
+    """Rank 0's ``(nonce, time)`` for this save, broadcast: the staging name, the save id, the manifests' time."""
     import torch
     from deepspeed import comm as dist
-    nonce = torch.tensor([time.time_ns() ^ os.getpid()], dtype=torch.int64, device=engine.device)
-    dist.broadcast(nonce, src=0)
-    return f"{int(nonce.item()) & 0xFFFFFFFFFFFF:012x}"
+    now = time.time_ns()
+    value = torch.tensor([now ^ os.getpid(), now], dtype=torch.int64, device=engine.device)
+    dist.broadcast(value, src=0)
+    return f"{int(value[0].item()) & 0xFFFFFFFFFFFF:012x}", int(value[1].item()) / 1e9
 
 
 def _remove_stale(save_dir, keep):
@@ -316,27 +239,23 @@ def _remove_stale(save_dir, keep):
         return
     for name in names:
         if name.startswith(HIDDEN_PREFIX) and name != keep:
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            path = os.path.join(save_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
     try:
         os.remove(os.path.join(save_dir, LATEST + ".tmp"))
     except OSError:
         pass
 
 
-def _commit(engine, save_dir, tag, staging_name, save_latest):
-    staging = os.path.join(save_dir, staging_name)
-    final = os.path.join(save_dir, tag)
-    files = _list_files(staging)
-    for root, _, _ in os.walk(staging):
+def _write_manifest(staging, manifest):
+    for root, _, _ in os.walk(staging):  # fsync only: the file list comes from what every rank reported
         _fsync_path(root, directory=True)
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "tag": tag,
-        "saved_at": time.time(),
-        "global_steps": int(getattr(engine, "global_steps", 0)),
-        "world_size": _world_size(),
-        "files": files,
-    }
     path = os.path.join(staging, MANIFEST)
     _fire("manifest", path)
     with open(path, "w") as f:
@@ -344,8 +263,14 @@ def _commit(engine, save_dir, tag, staging_name, save_latest):
         f.flush()
         os.fsync(f.fileno())
     _fsync_path(staging, directory=True)
-    latest_is_tag = read_latest(save_dir) == tag
-    move_latest = save_latest or latest_is_tag
+
+
+def _commit(save_dir, tag, staging_name, save_latest, manifest):
+    """One disk for every rank: manifest, rename, ``latest`` (a same-tag re-save swaps with ``latest`` on staging)."""
+    staging = os.path.join(save_dir, staging_name)
+    final = os.path.join(save_dir, tag)
+    _write_manifest(staging, manifest)
+    move_latest = save_latest or read_latest(save_dir) == tag
     if os.path.lexists(final):
         # Re-save of an existing tag: `latest` names the complete staging folder while <tag> is swapped.
         nonce = staging_name.rsplit(".", 1)[-1]
@@ -369,9 +294,63 @@ def _commit(engine, save_dir, tag, staging_name, save_latest):
             _write_latest(save_dir, tag)
 
 
-def _world_size():
+def _agree_step(committer, step, tag):
+    """Run ``step`` on the committers; every rank learns every committer's error and raises the first, one line."""
+    import torch.distributed as tdist
+
+    from .nodes import NodeMap, node_label
+    error = None
+    if committer:
+        try:
+            step()
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, (error, node_label()))
+    failed = [r for r, (e, _) in enumerate(out) if e is not None]
+    if failed:
+        where = NodeMap([label for _, label in out]).describe([failed[0]])
+        raise CheckpointError(f"checkpoint '{tag}' was not saved: the commit failed on {where} ({out[failed[0]][0]}); "
+                              "'latest' still names the previous checkpoint on every disk")
+
+
+def _commit_disks(layout, save_dir, tag, staging_name, save_latest, manifest):
+    """Several disks: every disk commits its files, and only then does ``latest`` move on any of them."""
     from deepspeed import comm as dist
-    return dist.get_world_size()
+    committer = layout.committer(dist.get_rank()) == dist.get_rank()
+    staging = os.path.join(save_dir, staging_name)
+    final = os.path.join(save_dir, tag)
+    replaced = os.path.join(save_dir, f"{_REPLACED}{_flat(tag)}.{staging_name.rsplit('.', 1)[-1]}")
+    move_latest = committer and (save_latest or read_latest(save_dir) == tag)
+
+    def swap_in():
+        if os.path.lexists(final):  # a re-save: the old save stays whole, under a hidden name, until `latest` moves
+            _rename(final, replaced)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        _rename(staging, final)
+        _fsync_path(os.path.dirname(final), directory=True)
+
+    _agree_step(committer, lambda: _write_manifest(staging, manifest), tag)  # 1: each disk holds its complete files
+    _agree_step(committer, swap_in, tag)  # 2: each disk names them <tag>
+    if move_latest:  # 3: `latest` moves only once every disk has committed
+        _write_latest(save_dir, tag)
+    if committer:
+        shutil.rmtree(replaced, ignore_errors=True)
+    dist.barrier()
+
+
+def _refuse_unwritten(engine, tag, reports, keys, expected):
+    """A save some rank could not load from (its stage's model-states file written by nobody) is not committed."""
+    missing = disks.unwritten(reports, keys, expected)
+    if not missing:
+        return
+    node_local = getattr(engine, "use_node_local_storage", lambda: False)()
+    who = ("local rank 0 of each node (checkpoint.use_node_local_storage), and no node has a replica of this stage at "
+           "local rank 0; turn use_node_local_storage off (ds_paci copies each disk the files it lacks) or place the "
+           "ranks so that one does" if node_local else "data-parallel rank 0 of each stage")
+    raise CheckpointError(f"checkpoint '{tag}' was not saved: no rank wrote {expected[missing[0]]}, which rank "
+                          f"{missing[0]} loads (DeepSpeed writes it from {who}); 'latest' still names the previous "
+                          "checkpoint")
 
 
 def _flat(tag):
@@ -394,49 +373,62 @@ def atomic_save(engine, save_dir, tag, save_latest, write):
         _warn_once("decoupled", "ds_paci: the decoupled DeepSpeed checkpoint writer is asynchronous; checkpoints are "
                    "saved the DeepSpeed way, without the ds_paci completeness manifest")
         return write(tag, save_latest=save_latest)
-    staging_name = f"{_STAGING}{_flat(tag)}.{_agree_nonce(engine)}"
-    committer = _is_committer(engine)
+    nonce, saved_at = _agree_nonce(engine)
+    staging_name = f"{_STAGING}{_flat(tag)}.{nonce}"
+    staging = os.path.join(save_dir, staging_name)
+    layout = disks.probe_disks(save_dir, nonce)
+    me = dist.get_rank()
+    committer = layout.committer(me) == me
     if committer:
-        os.makedirs(save_dir, exist_ok=True)
-        latest = read_latest(save_dir)
-        _remove_stale(save_dir, keep=latest)
+        _remove_stale(save_dir, keep=read_latest(save_dir))
     dist.barrier()
-    engine.checkpoint_engine = _SyncedWrites(ckpt_engine)
+    synced = _SyncedWrites(ckpt_engine, staging)
+    engine.checkpoint_engine = synced
     try:
         write(staging_name, save_latest=False)  # ends with DeepSpeed's barrier: every rank's files are written
     finally:
         engine.checkpoint_engine = ckpt_engine
-    if committer:
-        _commit(engine, save_dir, tag, staging_name, save_latest)
-    dist.barrier()
+    reports, keys, expected = disks.gather_reports(synced.files, disks.replica_key(engine),
+                                                   disks.expected_model_file(engine, staging_name))
+    _refuse_unwritten(engine, tag, reports, keys, expected)
+    plan = disks.replication_plan(layout, reports, keys, expected)
+    disks.replicate(plan, staging, fire=_fire)
+    manifest = {
+        "format": MANIFEST_FORMAT, "tag": tag, "save_id": nonce, "saved_at": saved_at,
+        "global_steps": int(getattr(engine, "global_steps", 0)), "world_size": dist.get_world_size(),
+        "disk": {"ranks": layout.peers(me), "disks": len(layout.groups)},
+        "files": disks.group_files(layout, reports, plan, layout.group_of[me]),
+    }
+    if len(layout.groups) == 1:
+        if committer:
+            _commit(save_dir, tag, staging_name, save_latest, manifest)
+        dist.barrier()
+    else:
+        _commit_disks(layout, save_dir, tag, staging_name, save_latest, manifest)
     return True
 
 
-def _agree_ok(engine, ok):
-    """Every rank's verdict, combined (a load is collective): True only if all ranks passed."""
-    import torch
-    from deepspeed import comm as dist
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=engine.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def verified_tag(engine, load_dir, tag=None):
-    """:func:`resolve_tag` on every rank, agreed: raises :class:`CheckpointError` on all ranks if any rank failed.
+    """The folder this rank loads, agreed by all ranks (:mod:`ds_paci.core.checkpoint_choice`): ``tag``, or the save
+    ``latest`` names that is complete on every rank's disk (``None`` when no rank has a ``latest``). Raises
+    :class:`CheckpointError` on every rank, with the same line, when there is none.
 
     Universal checkpoints (``latest_universal``, DeepSpeed's own conversion format) are passed through unverified.
     """
     if getattr(engine, "load_universal_checkpoint", lambda: False)():
         return tag
-    error = None
-    try:
-        resolved = resolve_tag(load_dir, tag)
-    except CheckpointError as e:
-        error, resolved = e, None
-    if not _agree_ok(engine, error is None):
-        raise error or CheckpointError(f"cannot load checkpoint from {load_dir}: another rank found it incomplete "
-                                       "(see that rank's message)")
-    return resolved
+    name, note = choice.agree(load_dir, "latest" if tag is None else "tag", None if tag is None else str(tag))
+    if note:
+        _warn_once(note, f"ds_paci: {note}")
+    return name
+
+
+def agreed_resume_tag(load_dir):
+    """:func:`resume_tag` decided by all ranks together (a collective): ``(this rank's folder, note)``.
+
+    Use it when the ranks' disks may differ (node-local disks): the save loaded is complete on every rank's disk.
+    """
+    return choice.agree(load_dir, "resume")
 
 
 # -- for any DeepSpeed engine -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from . import compat
 from .config import load_config, parse_paci_section, validate_run
 from .engine import PACIPipelineEngine
 from .lifecycle import watch_launchers
+from .liveness import watch_peers
 from .runtime import skip_cpu_jit_ops
 
 
@@ -46,7 +47,8 @@ def initialize(args=None,
     Raises :class:`PACIConfigError` (on every rank, before any engine is built) when
     the ``paci`` section or its combination with the run cannot be honoured. Also starts
     :func:`ds_paci.core.lifecycle.watch_launchers` (for any engine): a rank whose launcher
-    process dies stops instead of training on as an orphan.
+    process dies stops instead of training on as an orphan; and, when the ranks span several
+    nodes, :func:`ds_paci.core.liveness.watch_peers`: a lost node ends every other rank.
     """
     import deepspeed
     kwargs = dict(model=model,
@@ -68,7 +70,9 @@ def initialize(args=None,
     ds_config = load_config(config if config is not None else config_params, args)
     paci = parse_paci_section(ds_config.get("paci"))
     if not paci.enabled:
-        return ds_initialize(args=args, config=config, config_params=config_params, **kwargs)
+        result = ds_initialize(args=args, config=config, config_params=config_params, **kwargs)
+        watch_peers()
+        return result
     ds_config = validate_run(ds_config, model, paci)
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = copy.copy(args)
@@ -79,4 +83,5 @@ def initialize(args=None,
         low, high = compat.SUPPORTED
         raise RuntimeError(f"deepspeed {deepspeed.__version__} did not build the PACI engine (got "
                            f"{type(result[0]).__name__}); ds_paci supports deepspeed {low} to {high}")
+    watch_peers()
     return result

@@ -61,6 +61,22 @@ PARENT_DEATH = 1000  # stop code of a launcher death (exits like SIGTERM)
 _controller = None
 _watcher = None
 _lock = threading.Lock()
+_exit_hooks = []
+
+
+def on_exit(hook):
+    """Run ``hook()`` before this module ends the process with ``os._exit`` (e.g. the peer watch's farewell)."""
+    if hook not in _exit_hooks:
+        _exit_hooks.append(hook)
+
+
+def _exit(code):
+    for hook in list(_exit_hooks):
+        try:
+            hook()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def _say(line):
@@ -157,8 +173,13 @@ class StopController:
                 if code in _STOP_SIGNALS:
                     reason = f"{signal_name(code)} received"
                     watcher = _watcher
-                    if code == signal.SIGTERM and watcher is not None and os.getppid() != watcher.parent:
-                        reason += f" (parent-death signal: launcher process {watcher.parent} is gone)"
+                    gone = None
+                    if code == signal.SIGTERM and watcher is not None:
+                        # the parent-death signal: the kernel reparents this process before sending it, while the
+                        # dead launcher may not look dead in /proc yet
+                        gone = watcher.parent if os.getppid() != watcher.parent else watcher.gone()
+                    if gone is not None:
+                        code, reason = PARENT_DEATH, f"launcher process {gone} is gone (SIGTERM received)"
                     self.request_stop(code, reason)
 
     # -- requests ----------------------------------------------------------------------------------
@@ -177,11 +198,11 @@ class StopController:
             if elapsed > self.escalate_after and code != PARENT_DEATH:
                 _say(f"[ds_paci] {_rank_text()}: {reason} again while stopping; exiting now "
                      f"(exit code {exit_code_for(code)})")
-                os._exit(exit_code_for(code))
+                _exit(exit_code_for(code))
             return
         if not self.graceful:
             _say(f"[ds_paci] {_rank_text()}: {reason}; exiting (exit code {self.exit_code})")
-            os._exit(self.exit_code)
+            _exit(self.exit_code)
         if announce:
             _say(f"[ds_paci] {_rank_text()}: {reason}; stopping at a step all ranks agree on (within two steps), "
                  f"then exiting (at most {self.timeout:g}s)")
@@ -199,7 +220,7 @@ class StopController:
     def _deadline(self):
         _say(f"[ds_paci] {_rank_text()}: did not stop within {self.timeout:g}s of '{self.reason}'; exiting now "
              f"(exit code {self.exit_code}); the last complete checkpoint stays the latest")
-        os._exit(self.exit_code)
+        _exit(self.exit_code)
 
     def local_code(self):
         return self.code or 0

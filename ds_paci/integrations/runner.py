@@ -23,6 +23,9 @@ Contract:
   ``inspect.unwrap(deepspeed.initialize)``, never the router), and a call made while the router is
   already routing goes straight to the original.
 * DeepSpeed's CPU shared-memory op build is skipped as in ``ds_paci.initialize`` (for both engines).
+* Across nodes (one DeepSpeed launcher per node), ``ds_paci.initialize`` starts the peer watch
+  (:mod:`ds_paci.core.liveness`); a transfer that fails because a node was lost ends the rank with the watch's
+  line instead of the traceback.
 """
 
 import functools
@@ -138,11 +141,15 @@ def main(argv=None):
     if kind == "path" and not os.path.isfile(target):
         raise SystemExit(f"ds_paci.run: no such script: {target!r}\n{USAGE}")
     install()
-    if kind == "module":
-        sys.argv = [target] + leading + rest
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-        return 0
     sys.argv = [target] + leading + rest
-    sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py` has it
-    runpy.run_path(target, run_name="__main__")
+    try:
+        if kind == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            return 0
+        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py` has it
+        runpy.run_path(target, run_name="__main__")
+    except Exception as exc:
+        from ds_paci.core.liveness import exit_if_lost
+        exit_if_lost(exc)  # across nodes: a lost node's ranks are named by the peer watch, not a traceback
+        raise
     return 0

@@ -51,22 +51,18 @@ def small_corpus(path, chars=120_000):
     return path
 
 
-class Run:
-    """One ``deepspeed`` launch of the main job in its own session; output collected line by line."""
+class Launched:
+    """A command in a session of its own (``kill -- -PGID`` reaches all of it); output collected line by line."""
 
-    def __init__(self, args, nproc=2, config="configs/paci.json", env=None):
-        deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-        cmd = [deepspeed, "--num_gpus", str(nproc), "--master_port", str(free_port()), TRAIN, "--deepspeed_config",
-               config] + list(args)
+    def __init__(self, cmd, env=None, cwd=None):
         env = dict(os.environ, DS_ACCELERATOR="cpu", **(env or {}))
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self._tree = None
 
     def _read(self):
         for line in self.proc.stdout:
@@ -95,6 +91,33 @@ class Run:
                 if left <= 0 or (self.proc.poll() is not None and not self._reader.is_alive()):
                     return None
                 self._cond.wait(min(left, 0.5))
+
+    def finish(self, timeout=120):
+        """Wait for the command to exit; returns its exit code (kills the whole session on timeout)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            self.proc.wait(timeout=10)
+        self._reader.join(timeout=10)
+        return self.proc.returncode
+
+    def kill_all(self, sig=signal.SIGKILL):
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class Run(Launched):
+    """One ``deepspeed`` launch of the main job in its own session; output collected line by line."""
+
+    def __init__(self, args, nproc=2, config="configs/paci.json", env=None):
+        deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        cmd = [deepspeed, "--num_gpus", str(nproc), "--master_port", str(free_port()), TRAIN, "--deepspeed_config",
+               config] + list(args)
+        super().__init__(cmd, env=env)
+        self._tree = None
 
     def tree(self):
         """``{"runner", "launcher", "rank0", "rank1", ...}`` -> psutil processes (looked up once, while alive)."""
@@ -136,22 +159,6 @@ class Run:
                 return time.monotonic() - start
             time.sleep(0.05)
         return None
-
-    def finish(self, timeout=120):
-        """Wait for the runner to exit; returns its exit code (kills the whole session on timeout)."""
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill_all()
-            self.proc.wait(timeout=10)
-        self._reader.join(timeout=10)
-        return self.proc.returncode
-
-    def kill_all(self):
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def staging_folders(ckpt_dir):

@@ -12,7 +12,8 @@ Execution semantics (what :func:`simulate` models):
 * Point-to-point transfers are blocking rendezvous, as with gloo: ``SendActivation``
   on stage ``s`` pairs with the next ``RecvActivation`` on ``s+1``, ``SendGrad`` on
   ``s`` with the next ``RecvGrad`` on ``s-1`` (FIFO per link and direction). The
-  transfer starts when both sides have arrived and occupies both for ``latency``;
+  transfer starts when both sides have arrived and occupies both for ``cost.transfer_time``
+  (``latency``, plus the link model's time when ``links`` is given);
   the earlier side waits meanwhile.
 * Forward, backward, step and load occupy the stage for their cost. Everything else
   (``LocalAccumulate``, ``ReduceGrads``, ``ReduceTiedGrads``) is free and stage-local:
@@ -69,7 +70,9 @@ class CostModel:
     defaults to twice ``forward``. ``overhead`` is added to every forward (per
     micro-batch cost), ``latency`` to every point-to-point transfer (on both sides),
     ``step`` to every ``LocalStep``/``OptimizerStep``, ``load`` to every
-    ``LoadMicroBatch``.
+    ``LoadMicroBatch``. ``links`` (a :class:`ds_paci.tools.links.LinkModel`) adds to
+    every transfer its link's latency plus bytes over bandwidth, and to every step the
+    stage's data-parallel all-reduce (all of it, or what the overlap leaves).
     """
 
     forward: Union[Number, Sequence[Number]] = 1.0
@@ -78,6 +81,17 @@ class CostModel:
     overhead: float = 0.0
     step: float = 0.0
     load: float = 0.0
+    links: Optional[object] = None
+
+    def transfer_time(self, a, b):
+        """A point-to-point transfer between stages ``a`` and ``b``."""
+        return self.latency + (self.links.transfer_time(a, b) if self.links is not None else 0.0)
+
+    def step_time(self, stage):
+        """A ``LocalStep``/``OptimizerStep`` on ``stage`` (its window's last backward may hide the all-reduce)."""
+        if self.links is None:
+            return self.step
+        return self.step + self.links.step_delay(self.backward_time(stage))
 
     @staticmethod
     def _per_stage(value, stage):
@@ -305,6 +319,7 @@ def simulate(programs, cost=None, *, drain_tick=None, tied=None):
     n_ops = [len(o) for o in ops]
     fwd_time = [cost.forward_time(s) for s in range(P)]
     bwd_time = [cost.backward_time(s) for s in range(P)]
+    step_time = [cost.step_time(s) for s in range(P)]
 
     events = [[] for _ in range(P)]
     op_end = [[0.0] * n for n in n_ops]
@@ -383,7 +398,7 @@ def simulate(programs, cost=None, *, drain_tick=None, tied=None):
                             tied_wait[s] += until - now
                         now = until
                 tied_cleared[s] = False
-                dur = cost.step
+                dur = step_time[s]
                 version[s] += 1
             elif code == _LOAD:
                 dur = cost.load
@@ -422,7 +437,7 @@ def simulate(programs, cost=None, *, drain_tick=None, tied=None):
         """Pair stage ``a``'s and stage ``b``'s blocked p2p ops; advance both."""
         op_a, op_b = ops[a][pos[a]], ops[b][pos[b]]
         start = max(arrived[a], arrived[b])
-        end = start + cost.latency
+        end = start + cost.transfer_time(a, b)
         for s, op in ((a, op_a), (b, op_b)):
             if arrived[s] < start:
                 events[s].append(Event(arrived[s], start, op.text, "wait"))
