@@ -47,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ds_paci.tools.bench",
                                 description="Side-by-side benchmark of DeepSpeed's stock pipeline engine and PACI.")
     p.add_argument("--preset", choices=sorted(presets()), help="named set of configurations (flags below override)")
-    p.add_argument("--study", choices=sorted(studies()),
-                   help="loss-curve study of stock, PACI and PACI + look-ahead (issue 11): --part throughput runs the "
+    p.add_argument("--study", choices=sorted(studies()) + ["peers"],
+                   help="peers: PACI against torch's synchronous schedules (own options: --study peers --help); "
+                        "otherwise a loss-curve study of stock, PACI and PACI + look-ahead (issue 11): --part throughput runs the "
                         "timed rounds, --part curves the untimed 300-step runs per learning rate and seed (resumable), "
                         "--part report the tables and plots; default: all three")
     p.add_argument("--part", choices=["throughput", "curves", "report", "all"], default="all",
@@ -156,6 +157,9 @@ def reanalyse(out: str, configs: list, target_loss) -> dict:
 
 def main(argv=None) -> int:
     """Command line entry point (see the module docstring and ``--help``)."""
+    from . import peers
+    if peers.is_peers_study(sys.argv[1:] if argv is None else argv):  # a study with a command line of its own
+        return peers.main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.study:
