@@ -26,8 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-__all__ = ["PEERS", "PeerSchedule", "ScheduleUnavailable", "StageCosts", "action_lists", "rank_stages",
-           "stage_costs", "time_actions", "long_run_period", "peer_rows"]
+__all__ = ["PEERS", "PeerSchedule", "ScheduleUnavailable", "StageCosts", "action_lists", "action_strings",
+           "rank_stages", "stage_costs", "costs_from_ranks", "time_actions", "long_run_period", "peak_in_flight",
+           "peer_rows"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class _StageShape:
 def action_lists(name: str, ranks: int, micro_batches: int) -> dict:
     """``{rank: [action, ...]}``: the schedule's ``pipeline_order`` as torch computes it (``None`` kept).
 
+    ``1f1b`` is the exception: torch 2.13's ``Schedule1F1B.pipeline_order`` is not what its runtime runs (for
+    the last rank it starts at ``F1`` and lists ``F<M>``), so its list here is the order
+    ``Schedule1F1B._step_microbatches`` executes (:func:`_runtime_1f1b`), which the study records and checks.
     Raises :class:`ScheduleUnavailable` when torch's constructor refuses ``(ranks, micro_batches)``.
     """
     from torch.distributed.pipelining import schedules
@@ -90,13 +94,30 @@ def action_lists(name: str, ranks: int, micro_batches: int) -> dict:
         else:
             schedule = cls(stages, n_microbatches=micro_batches)
     except ValueError as e:
-        raise ScheduleUnavailable(str(e).replace("\\\n", "").strip()) from e
+        raise ScheduleUnavailable(" ".join(str(e).replace("\\", " ").split())) from e
+    if name == "1f1b":
+        return {rank: _runtime_1f1b(rank, ranks, micro_batches) for rank in range(ranks)}
     return {rank: list(actions) for rank, actions in schedule.pipeline_order.items()}
 
 
+def _runtime_1f1b(stage: int, stages: int, micro_batches: int) -> list:
+    """The compute order of ``Schedule1F1B._step_microbatches`` on ``stage``: ``min(M, P - stage)`` forwards, then
+    alternately one backward and one forward, then the remaining backwards."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+    forward, backward = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+    warmup = min(micro_batches, stages - stage)
+    order = [_Action(stage, forward, m) for m in range(warmup)]
+    for b in range(micro_batches):
+        order.append(_Action(stage, backward, b))
+        if warmup + b < micro_batches:
+            order.append(_Action(stage, forward, warmup + b))
+    return order
+
+
 def action_strings(actions: dict) -> dict:
-    """``{rank: ["0F0", "0I0", ...]}``: torch's text form of every compute action (``None`` dropped)."""
-    return {rank: [str(a) for a in acts if a is not None and a.is_compute_op] for rank, acts in actions.items()}
+    """``{rank: ["0F0", "0I0", ...]}``: torch's text form of every compute action in execution order (``None``
+    dropped, ``OVERLAP_F_B`` as its sub-actions, which torch's runtime runs one after the other)."""
+    return {rank: [f"{s}{k}{m}" for a in acts for s, k, m in _compute_ops(a)] for rank, acts in actions.items()}
 
 
 # -- timing --------------------------------------------------------------------------------------------------------
@@ -109,12 +130,30 @@ class StageCosts(NamedTuple):
     weight_grad: tuple
 
 
-def stage_costs(block_times, head_times, stages: int, blocks: int, torch_first_stage: bool = True) -> StageCosts:
+def stage_costs(block_times, head_times, stages: int, blocks: int, torch_first_stage: bool = True,
+                forward_overhead: float = 0.0) -> StageCosts:
     """Costs of ``stages`` equal stages over ``blocks`` blocks of ``block_times = (F, B, W)`` each; the last stage
-    adds ``head_times``. ``torch_first_stage``: stage 0's ``I`` is free and its ``W`` carries ``B + W``."""
+    adds ``head_times``. ``torch_first_stage``: stage 0's ``I`` is free and its ``W`` carries ``B + W``.
+    ``forward_overhead`` is added to every stage's forward (host time per micro-batch, as ``CostModel.overhead``)."""
     per = blocks // stages
-    cost = [[per * t for t in block_times] for _ in range(stages)]
+    cost = [[per * block_times[0] + forward_overhead, per * block_times[1], per * block_times[2]]
+            for _ in range(stages)]
     cost[-1] = [c + h for c, h in zip(cost[-1], head_times)]
+    if torch_first_stage:
+        cost[0] = [cost[0][0], 0.0, cost[0][1] + cost[0][2]]
+    return StageCosts(*(tuple(c[i] for c in cost) for i in range(3)))
+
+
+def costs_from_ranks(forward, backward, weight_share: float, num_stages: int,
+                     torch_first_stage: bool = True) -> StageCosts:
+    """Costs of ``num_stages`` stages from per-rank costs of a one-stage-per-rank pipeline (DeepSpeed's stage ``r``
+    holds the layers of virtual stages ``r*v .. r*v+v-1``, ``v = num_stages / ranks``): each virtual stage gets
+    ``1/v`` of its rank's forward and backward, the backward split ``1 - weight_share`` : ``weight_share`` into
+    ``I`` and ``W``."""
+    ranks = len(forward)
+    per = num_stages // ranks
+    cost = [[forward[k // per] / per, backward[k // per] * (1 - weight_share) / per,
+             backward[k // per] * weight_share / per] for k in range(num_stages)]
     if torch_first_stage:
         cost[0] = [cost[0][0], 0.0, cost[0][1] + cost[0][2]]
     return StageCosts(*(tuple(c[i] for c in cost) for i in range(3)))
@@ -153,11 +192,13 @@ def _dependencies(op, num_stages: int):
     return [(stage, ("I", ), mb)]  # W
 
 
-def time_actions(actions: dict, costs: StageCosts, latency: float = 0.0, steps: int = 1, step_time: float = 0.0):
+def time_actions(actions: dict, costs: StageCosts, latency: float = 0.0, steps: int = 1, step_time: float = 0.0,
+                 durations: dict | None = None):
     """Start and end of every compute action of ``steps`` consecutive steps.
 
     ``actions``: :func:`action_lists`; step ``k`` re-runs every list with micro-batch ids offset by ``k * M``;
-    ``step_time`` is each rank's optimizer step after its last action of a step. Returns ``(ends, rank_busy,
+    ``step_time`` is each rank's optimizer step after its last action of a step; ``durations`` (``{"0F1": seconds,
+    ...}``) replaces the cost model's time of those actions (a replay of measured durations). Returns ``(ends, rank_busy,
     rank_end)``: ``ends[(stage, kind, mb)] = (rank, start, end)``, busy time and finishing time per rank. Raises
     ``RuntimeError`` naming the stuck actions if the lists cannot complete (a deadlock).
     """
@@ -183,7 +224,8 @@ def time_actions(actions: dict, costs: StageCosts, latency: float = 0.0, steps: 
                     break
                 for (s, _, _), d in zip(deps, done):
                     ready = max(ready, d[2] + (latency if where[s] != rank else 0.0))
-                length = _duration((stage, kind, mb), costs)
+                text = f"{stage}{kind}{mb % mbs}"
+                length = durations[text] if durations and text in durations else _duration((stage, kind, mb), costs)
                 ends[(stage, kind, mb)] = (rank, ready, ready + length)
                 clock[rank] = ready + length + (step_time if last_of_step else 0.0)
                 busy[rank] += length
@@ -219,10 +261,12 @@ def peer_rows(ranks: int, micro_batches: int, costs: StageCosts, stock_period: f
               step_time: float = 0.0) -> list:
     """One row per peer schedule (same keys as :func:`ds_paci.tools.simulate.comparison_rows`' rows).
 
-    ``throughput_vs_stock`` = ``stock_period`` / this schedule's :func:`long_run_period`; ``bubble_fraction`` =
-    idle share of the busiest rank over one long-run step; ``costs`` must have ``2 * ranks`` stages for the
-    two-stages-per-rank schedules and ``ranks`` for the others, so rows are built per schedule by the caller's
-    ``costs(stages)`` when ``costs`` is callable. A schedule torch refuses gives a row with ``unavailable``.
+    ``throughput_vs_stock`` = ``stock_period`` (time per micro-batch, as
+    :func:`ds_paci.tools.simulate.long_run_period` gives it) / this schedule's :func:`long_run_period` per micro-batch; ``bubble_fraction`` =
+    idle share of the busiest rank over one long-run step; ``peak_in_flight``: the most micro-batch activations
+    any rank holds, in units of one rank's share of the model (a virtual stage of a two-stage-per-rank schedule
+    counts half). ``costs(num_stages)`` gives the :class:`StageCosts` of a schedule's stage count. A schedule torch
+    refuses gives a row with ``unavailable`` (torch's reason).
     """
     rows = []
     for name, peer in PEERS.items():
@@ -234,11 +278,12 @@ def peer_rows(ranks: int, micro_batches: int, costs: StageCosts, stock_period: f
             rows.append({**row, "unavailable": str(e), "bubble_fraction": None, "throughput_vs_stock": None,
                          "peak_in_flight": None})
             continue
-        stage_cost = costs(ranks * peer.stages_per_rank) if callable(costs) else costs
+        stage_cost = costs(ranks * peer.stages_per_rank)
         period = long_run_period(actions, stage_cost, latency, step_time)
         _, busy, _ = time_actions(actions, stage_cost, latency, steps=1, step_time=step_time)
         rows.append({**row, "bubble_fraction": 1.0 - max(busy.values()) / period,
-                     "throughput_vs_stock": stock_period / period,
-                     "peak_in_flight": max(peak_in_flight(actions, len(stage_cost.forward)).values()),
+                     "throughput_vs_stock": stock_period * micro_batches / period,
+                     "peak_in_flight": max(peak_in_flight(actions, len(stage_cost.forward)).values())
+                     / peer.stages_per_rank,
                      "period": period})
     return rows

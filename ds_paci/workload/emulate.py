@@ -20,7 +20,7 @@ from collections import Counter
 
 import torch
 
-__all__ = ["EmulatedDeviceTime", "EmulatedSplitTime"]
+__all__ = ["EmulatedDeviceTime", "EmulatedSplitTime", "deferred_split_wait"]
 
 
 class _SleepIdentity(torch.autograd.Function):
@@ -141,3 +141,34 @@ class EmulatedSplitTime(torch.nn.Module):
     def extra_repr(self) -> str:
         f, b, w = self.seconds
         return f"F={f}s, B={b}s, W={w}s (emulated: forward F, input gradient B, weight gradient W)"
+
+
+class _WaitDeferred(torch.autograd.Function):
+    """Identity: forward waits ``F``; backward waits ``B``, then hands a wait of ``W`` to ``defer``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward: float, input_grad: float, weight_grad: float, defer) -> torch.Tensor:
+        ctx.input_grad, ctx.weight_grad, ctx.defer = input_grad, weight_grad, defer
+        _wait(forward)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _wait(ctx.input_grad)
+        weight_grad = ctx.weight_grad
+        ctx.defer(lambda: _wait(weight_grad))
+        return grad, None, None, None, None
+
+
+def deferred_split_wait(x: torch.Tensor, forward: float, input_grad: float, weight_grad: float, defer=None):
+    """``x`` unchanged, with emulated ``F``, ``B``, ``W`` for a program that splits its backward *itself*.
+
+    Forward waits ``forward`` seconds; the backward waits ``input_grad`` seconds and then calls ``defer(fn)`` with
+    ``fn`` waiting ``weight_grad`` seconds: ``defer`` decides when the weight part is paid. The default runs it at
+    once (one backward pays ``B + W``). Megatron-DeepSpeed's ZB-H1 keeps its weight-gradient work in a queue
+    (``WeightGradStore.put``: run now in a full backward, kept for the next ``WeightPass`` in a backward-only
+    pass); handing ``fn`` to that queue makes the emulated ``W`` move exactly as the real weight gradients do.
+    For measurements only: the times are emulated.
+    """
+    return _WaitDeferred.apply(x, float(forward), float(input_grad), float(weight_grad),
+                               defer if defer is not None else (lambda fn: fn()))

@@ -14,7 +14,7 @@ Each cell is one world of ``P`` processes running every engine in turn for ``--r
 every round); its results go to ``<out>/cells/<cell>.json`` as soon as the cell finishes, and a later run skips
 cells already there (``--force`` reruns them), so an interrupted study resumes per cell. ``--part report`` (also
 run at the end) writes ``<out>.md`` (default ``docs/results/peers.md``) and the figure from the stored cells.
-``--smoke``: one real ``P = 2`` cell with stock and ZB-V, a few steps (the test suite's check).
+``--smoke``: one tiny emulated ``P = 2`` cell with stock and ZB-V, a few steps (the test suite's check).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def grid(rounds_steps: dict | None = None) -> list:
 
 
 def smoke_cell() -> PeerCell:
-    """A real P = 2, M = 2 cell of a few steps: seconds."""
-    return check_cell(PeerCell(stages=2, micro_batches=2, ratio="real", unit=0.0, micro_batch_size=2, seq_len=32,
+    """An emulated P = 2, M = 2 cell (2 ms per block and pass) of a few steps: seconds."""
+    return check_cell(PeerCell(stages=2, micro_batches=2, ratio="1:1:1", unit=0.002, micro_batch_size=2, seq_len=32,
                                n_embd=32, n_head=2, steps=3, warmup=1, val_batches=2))
 
 
@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, help="steps per run (default: the cell's)")
     p.add_argument("--force", action="store_true", help="rerun cells whose results are stored")
-    p.add_argument("--smoke", action="store_true", help="one tiny real P=2 cell (stock and ZB-V unless --engines)")
+    p.add_argument("--smoke", action="store_true", help="one tiny emulated P=2 cell (stock and ZB-V unless --engines)")
     p.add_argument("--timeout", type=float, default=5400.0, help="seconds before a cell's world is killed")
     p.add_argument("--log-dir", help="per-rank logs (default: a new temporary folder)")
     return p

@@ -17,7 +17,8 @@ down before the next is built:
 Per run and rank it returns the per-step ``(start, end)`` times, the per-step loss (last stage), per step the bytes
 saved for backward at its start and at its peak (:class:`.meters.SavedTensorMeter`, the same meter for every engine), the emulated waits per
 kind, and in round 0 the final weights (for the engine-independent validation loss and the agreement check) and,
-for torch's schedules, the compute actions as executed in the second step (stage, kind, micro-batch).
+for torch's schedules, the compute actions as executed in the first timed step (stage, kind, micro-batch) with
+their start and end times.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from ds_paci.tools.peer_schedules import PEERS, rank_stages
-from .meters import SavedTensorMeter
+from .meters import SavedTensorMeter, StockInstructionTracer
 from .peers_model import PeerCell, emulated_waits, layer_specs, partition, stage_module
 from .runner import ds_config
 
@@ -71,6 +72,19 @@ def _stage_state(modules) -> dict:
     return state
 
 
+_STOCK_TRACER = []  # one tracer per process: it wraps DeepSpeed's class-level instruction table once
+
+
+def _stock_tracer(rank: int, stage: int):
+    if not _STOCK_TRACER:
+        tracer = StockInstructionTracer(rank, stage)
+        tracer.install()
+        _STOCK_TRACER.append(tracer)
+    tracer = _STOCK_TRACER[0]
+    tracer.records.clear()
+    return tracer
+
+
 def _run_deepspeed(job: CellJob, engine_name: str, keep_state: bool) -> dict:
     import ds_paci
     from deepspeed.pipe import PipelineModule
@@ -83,7 +97,8 @@ def _run_deepspeed(job: CellJob, engine_name: str, keep_state: bool) -> dict:
     if [int(b) for b in module.parts] != expected:
         raise RuntimeError(f"DeepSpeed partitioned the layers at {list(module.parts)}, the study expects {expected}")
     engine, *_ = ds_paci.initialize(model=module, model_parameters=module.parameters(),
-                                    config=ds_config(cell, engine_name, False))
+                                    config=ds_config(cell, engine_name, engine_name != "stock"))
+    tracer = _stock_tracer(engine.global_rank, engine.stage_id) if engine_name == "stock" else None
     meter = SavedTensorMeter(engine.module.parameters())
     data = _batches(job, engine.is_first_stage() or engine.is_last_stage())
     calls, losses, held, peaks = [], [], [], []
@@ -91,16 +106,23 @@ def _run_deepspeed(job: CellJob, engine_name: str, keep_state: bool) -> dict:
         for step in range(cell.steps):
             meter.reset_peak()
             held.append(meter.saved_bytes)
+            if tracer is not None:
+                tracer.active = step == cell.warmup
             start = time.time()
             loss = engine.train_batch(data)
             calls.append((start, time.time()))
+            if tracer is not None:
+                tracer.active = False
             peaks.append(meter.peak_saved_bytes)
             value = float(loss) if loss is not None else float("nan")
             losses.append(value if engine.is_last_stage() and value == value else None)
         if engine_name != "stock":
             engine.drain()
+    lo, hi = calls[cell.warmup]
+    records = tracer.records if tracer is not None else engine.paci_trace()
     result = {"calls": calls, "losses": losses, "saved_bytes": {"held_at_step_start": held, "step_peak": peaks},
-              "waits": emulated_waits(engine.module), "stages": [engine.stage_id]}
+              "waits": emulated_waits(engine.module), "stages": [engine.stage_id], "recorded_step": [lo, hi],
+              "instructions": [(r["instr"], r["start"], r["end"]) for r in records if lo <= r["start"] <= hi]}
     if keep_state:
         result["state"] = _stage_state([engine.module])
     engine.destroy()
@@ -108,32 +130,37 @@ def _run_deepspeed(job: CellJob, engine_name: str, keep_state: bool) -> dict:
 
 
 class _ExecutedOrder:
-    """Records the compute actions a torch stage runs while :attr:`on` (``"1F0"``, ``"1I0"``, ``"1W0"``, ``"1B0"``)."""
+    """Records the compute actions a torch stage runs while :attr:`on` (``"1F0"``, ``"1I0"``, ``"1W0"``, ``"1B0"``),
+    and when each started and ended (:attr:`times`, seconds since the epoch)."""
 
     def __init__(self):
-        self.on, self.actions = False, []
+        self.on, self.actions, self.times = False, [], []
 
     def attach(self, stage):
         forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
         index = stage.stage_index
 
         def fwd(chunk, *args, **kwargs):
-            self._note(f"{index}F{chunk}")
-            return forward(chunk, *args, **kwargs)
+            return self._run(f"{index}F{chunk}", forward, chunk, *args, **kwargs)
 
         def bwd(chunk, *args, **kwargs):
-            self._note(f"{index}{'B' if kwargs.get('full_backward', True) else 'I'}{chunk}")
-            return backward(chunk, *args, **kwargs)
+            return self._run(f"{index}{'B' if kwargs.get('full_backward', True) else 'I'}{chunk}", backward, chunk,
+                             *args, **kwargs)
 
         def wgt(chunk, *args, **kwargs):
-            self._note(f"{index}W{chunk}")
-            return weight(chunk, *args, **kwargs)
+            return self._run(f"{index}W{chunk}", weight, chunk, *args, **kwargs)
 
         stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk = fwd, bwd, wgt
 
-    def _note(self, text):
-        if self.on:
+    def _run(self, text, fn, *args, **kwargs):
+        if not self.on:
+            return fn(*args, **kwargs)
+        start = time.time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
             self.actions.append(text)
+            self.times.append((start, time.time()))
 
 
 def _run_torch(job: CellJob, name: str, rank: int, keep_state: bool) -> dict:
@@ -165,7 +192,7 @@ def _run_torch(job: CellJob, name: str, rank: int, keep_state: bool) -> dict:
             micro = [next(data) for _ in range(cell.micro_batches)] if data is not None else []
             args = (torch.cat([x for x, _ in micro]), ) if first else ()
             kwargs = {"target": torch.cat([y for _, y in micro]), "losses": []} if last else {}
-            order.on = step == 1
+            order.on = step == cell.warmup  # the first timed step
             meter.reset_peak()
             held.append(meter.saved_bytes)
             start = time.time()
@@ -179,7 +206,8 @@ def _run_torch(job: CellJob, name: str, rank: int, keep_state: bool) -> dict:
     result = {"calls": calls, "losses": losses, "saved_bytes": {"held_at_step_start": held, "step_peak": peaks}, "stages": mine,
               "waits": {k: sum(emulated_waits(m)[k] for m in modules) for k in ("forward", "input_grad",
                                                                                "weight_grad")},
-              "executed": order.actions, "pipeline_order": [str(a) for a in schedule.pipeline_order[rank]
+              "executed": order.actions, "executed_times": order.times,
+              "recorded_step": calls[cell.warmup], "pipeline_order": [str(a) for a in schedule.pipeline_order[rank]
                                                              if a is not None and a.is_compute_op]}
     if keep_state:
         result["state"] = _stage_state(modules)

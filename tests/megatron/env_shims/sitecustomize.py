@@ -14,6 +14,9 @@ imports the module concerned. No Megatron or DeepSpeed file is edited. What each
 4. ``megatron.data.indexed_dataset.MMapIndexedDatasetBuilder.add_doc`` counts tokens the sizes leave out into the
    document's last sentence: ``tools/preprocess_data.py --append-eod`` appends the EOD to the ids but not to the
    sentence lengths (upstream NVIDIA/Megatron-LM#431), which shifts every later document in the ``.idx``.
+5. ``deepspeed.runtime.pipe.engine.PipelineEngine.mem_status`` -> a no-op, only where DeepSpeed lacks it. Megatron's
+   ZB-H1 (``--enable-zbh1-pipeline``, ``deepspeed_zbh1_engine.py``) calls it; older DeepSpeed releases had it as a
+   method whose first statement was ``return``, newer ones dropped it (0.19.8 has none).
 """
 
 import importlib.abc
@@ -64,6 +67,11 @@ def _eod_sizes(module):
     module.MMapIndexedDatasetBuilder.add_doc = add_doc_with_eod
 
 
+def _mem_status(module):
+    if not hasattr(module.PipelineEngine, "mem_status"):
+        module.PipelineEngine.mem_status = lambda self, msg, print_rank=-1, reset_max=False: None
+
+
 class _StubLoader(importlib.abc.Loader):
     def __init__(self, fill):
         self.fill = fill
@@ -93,7 +101,8 @@ class _ReplaceFinder(importlib.abc.MetaPathFinder):
     """First on sys.meta_path: modules replaced outright, or loaded as usual and then patched."""
 
     REPLACE = {"megatron.model.vision.knn_monitor": _knn_monitor}
-    PATCH = {"megatron.model.transformer": _contiguous_attention, "megatron.data.indexed_dataset": _eod_sizes}
+    PATCH = {"megatron.model.transformer": _contiguous_attention, "megatron.data.indexed_dataset": _eod_sizes,
+             "deepspeed.runtime.pipe.engine": _mem_status}
 
     def find_spec(self, name, path=None, target=None):
         if name in self.REPLACE:
