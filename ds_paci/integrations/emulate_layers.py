@@ -38,7 +38,8 @@ USAGE = ("usage: python -m ds_paci.integrations.emulate_layers [--local_rank=N] 
 
 
 def _split_delay(times, queue):
-    """A tensor -> tensor function waiting ``times = (F, B, W)``, ``W`` through ``queue`` (``module:Class``) if given."""
+    """A tensor -> tensor function waiting ``times = (F, B, W)``, ``W`` through ``queue`` (``module:Class``) when
+    given."""
     from ds_paci.workload.emulate import deferred_split_wait
 
     def defer(fn):

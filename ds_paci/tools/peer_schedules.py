@@ -197,10 +197,10 @@ def time_actions(actions: dict, costs: StageCosts, latency: float = 0.0, steps: 
     """Start and end of every compute action of ``steps`` consecutive steps.
 
     ``actions``: :func:`action_lists`; step ``k`` re-runs every list with micro-batch ids offset by ``k * M``;
-    ``step_time`` is each rank's optimizer step after its last action of a step; ``durations`` (``{"0F1": seconds,
-    ...}``) replaces the cost model's time of those actions (a replay of measured durations). Returns ``(ends, rank_busy,
-    rank_end)``: ``ends[(stage, kind, mb)] = (rank, start, end)``, busy time and finishing time per rank. Raises
-    ``RuntimeError`` naming the stuck actions if the lists cannot complete (a deadlock).
+    ``step_time`` is each rank's optimizer step after its last action of a step; ``durations`` (``{"0F1":
+    seconds, ...}``) replaces the cost model's time of those actions (a replay of measured durations). Returns
+    ``(ends, rank_busy, rank_end)``: ``ends[(stage, kind, mb)] = (rank, start, end)``, busy time and finishing time
+    per rank. Raises ``RuntimeError`` naming the stuck actions if the lists cannot complete (a deadlock).
     """
     num_stages = len(costs.forward)
     per_rank = {rank: [op for a in acts for op in _compute_ops(a)] for rank, acts in actions.items()}
@@ -262,7 +262,8 @@ def peer_rows(ranks: int, micro_batches: int, costs: StageCosts, stock_period: f
     """One row per peer schedule (same keys as :func:`ds_paci.tools.simulate.comparison_rows`' rows).
 
     ``throughput_vs_stock`` = ``stock_period`` (time per micro-batch, as
-    :func:`ds_paci.tools.simulate.long_run_period` gives it) / this schedule's :func:`long_run_period` per micro-batch; ``bubble_fraction`` =
+    :func:`ds_paci.tools.simulate.long_run_period` gives it) / this schedule's :func:`long_run_period` per
+    micro-batch; ``bubble_fraction`` =
     idle share of the busiest rank over one long-run step; ``peak_in_flight``: the most micro-batch activations
     any rank holds, in units of one rank's share of the model (a virtual stage of a two-stage-per-rank schedule
     counts half). ``costs(num_stages)`` gives the :class:`StageCosts` of a schedule's stage count. A schedule torch

@@ -47,9 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ds_paci.tools.bench",
                                 description="Side-by-side benchmark of DeepSpeed's stock pipeline engine and PACI.")
     p.add_argument("--preset", choices=sorted(presets()), help="named set of configurations (flags below override)")
-    p.add_argument("--study", choices=sorted(studies()) + ["peers"],
-                   help="peers: PACI against torch's synchronous schedules (own options: --study peers --help); "
-                        "otherwise a loss-curve study of stock, PACI and PACI + look-ahead (issue 11): --part throughput runs the "
+    p.add_argument("--study", choices=sorted(studies()),
+                   help="loss-curve study of stock, PACI and PACI + look-ahead (issue 11): --part throughput runs the "
                         "timed rounds, --part curves the untimed 300-step runs per learning rate and seed (resumable), "
                         "--part report the tables and plots; default: all three")
     p.add_argument("--part", choices=["throughput", "curves", "report", "all"], default="all",

@@ -10,53 +10,17 @@ import datetime
 import json
 import os
 
-from ds_paci.tools.peer_schedules import PEERS, action_lists, action_strings, long_run_period, stage_costs
-from .peers_analysis import SYNCHRONOUS
+from ds_paci.tools.peer_schedules import PEERS, action_lists, action_strings
 from .peers_model import PeerCell
+from .peers_simcheck import simulated_ratios, simulator_table
 
 TITLES = {"stock": "stock 1F1B-flush (DeepSpeed)", "paci": "PACI", "paci+lookahead": "PACI + look-ahead",
           **{name: peer.title for name, peer in PEERS.items()}}
-MISS = 0.05  # simulator vs measurement: differences above this are flagged and explained in notes.md
 CURVES = {(4, 4): "emulated_P4_M4_curves.json", (8, 8): "emulated_P8_M8_curves.json"}
 
 
 def _cell(entry) -> PeerCell:
     return PeerCell(**entry["cell"])
-
-
-def simulated_step_seconds(cell: PeerCell, engine: str, host: float = 0.0) -> float:
-    """Simulated seconds per step of ``engine`` under the cell's emulated costs, plus ``host`` seconds of host time
-    per micro-batch and rank (added to the forward; split over a rank's virtual stages). No transfer time."""
-    from ds_paci.tools.simulate import CostModel
-    from ds_paci.tools.simulate import long_run_period as ds_period
-    if engine in PEERS:
-        v = PEERS[engine].stages_per_rank
-        costs = stage_costs(cell.block_times, cell.head_times, cell.stages * v, cell.n_layer, forward_overhead=host / v)
-        return long_run_period(action_lists(engine, cell.stages, cell.micro_batches), costs)
-    f, b, w = cell.block_times
-    forward, backward = [2 * f] * cell.stages, [2 * (b + w)] * cell.stages
-    forward[-1] += cell.head_times[0]
-    backward[-1] += cell.head_times[1] + cell.head_times[2]
-    cost = CostModel(forward=forward, backward=backward, overhead=host)
-    schedule = "stock" if engine == "stock" else "paci"
-    return ds_period(schedule, cell.stages, cell.micro_batches, cell.micro_batches, 4, cost) * cell.micro_batches
-
-
-def fitted_host_time(cell: PeerCell, stock_step_seconds: float) -> float:
-    """The host time per micro-batch and rank that makes the simulated stock step as long as the measured one."""
-    low, high = 0.0, 1.0
-    if simulated_step_seconds(cell, "stock") >= stock_step_seconds:
-        return 0.0
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if simulated_step_seconds(cell, "stock", mid) < stock_step_seconds else (low, mid)
-    return (low + high) / 2
-
-
-def simulated_ratios(cell: PeerCell, engines, host: float = 0.0) -> dict:
-    """Throughput over stock's of each engine in the simulator (see :func:`simulated_step_seconds`)."""
-    stock = simulated_step_seconds(cell, "stock", host)
-    return {engine: stock / simulated_step_seconds(cell, engine, host) for engine in engines}
 
 
 def _mib(nbytes) -> str:
@@ -135,45 +99,6 @@ def cell_table(entry) -> str:
     return "\n".join(lines)
 
 
-def simulator_rows(entries) -> list:
-    """Per emulated cell and engine: measured ratio to stock, the simulated one (emulated costs only) and the
-    simulated one with the host time fitted on stock's measured step; measured and simulated seconds per step."""
-    rows = []
-    for e in entries:
-        cell = _cell(e)
-        if not cell.emulated:
-            continue
-        host = fitted_host_time(cell, e["engines"]["stock"]["seconds_per_step_median"])
-        sim, sim_host = simulated_ratios(cell, e["engines"]), simulated_ratios(cell, e["engines"], host)
-        for engine in e["engines"]:
-            measured = e["ratios"]["vs_stock"][engine]
-            rows.append({"cell": e["name"], "engine": engine, "measured": measured, "simulated": sim[engine],
-                         "difference": measured / sim[engine] - 1.0, "host_seconds": host,
-                         "simulated_with_host": sim_host[engine],
-                         "difference_with_host": measured / sim_host[engine] - 1.0,
-                         "measured_step": e["engines"][engine]["seconds_per_step_median"],
-                         "simulated_step": simulated_step_seconds(cell, engine)})
-    return rows
-
-
-def simulator_table(entries) -> str:
-    lines = ["| cell | engine | measured vs stock | simulated vs stock | measured / simulated - 1 | with host time h "
-             "(fitted on stock): simulated, measured / simulated - 1 | s/step measured / simulated |",
-             "|---|---|---|---|---|---|---|"]
-    for row in simulator_rows(entries):
-        if row["engine"] == "stock":
-            lines.append(f"| {row['cell']} | {TITLES['stock']} | 1 | 1 | | h = {row['host_seconds'] * 1000:.1f} ms "
-                         f"per micro-batch and rank | {row['measured_step']:.3f} / {row['simulated_step']:.3f} |")
-            continue
-        flag = " **(> 5%)**" if abs(row["difference"]) > MISS else ""
-        flag_host = " **(> 5%)**" if abs(row["difference_with_host"]) > MISS else ""
-        lines.append(f"| {row['cell']} | {TITLES[row['engine']]} | {row['measured']:.3f} | {row['simulated']:.3f} | "
-                     f"{row['difference']:+.1%}{flag} | {row['simulated_with_host']:.3f}, "
-                     f"{row['difference_with_host']:+.1%}{flag_host} | "
-                     f"{row['measured_step']:.3f} / {row['simulated_step']:.3f} |")
-    return "\n".join(lines)
-
-
 def _curve_runs(path: str) -> tuple[dict, list, list, int]:
     with open(path) as f:
         stored = json.load(f)
@@ -227,8 +152,10 @@ def time_to_loss_table(rows) -> str:
     return "\n".join(lines)
 
 
-def write_report(entries, out: str, command: str, curves_dir: str = "docs/results/lookahead") -> str:
-    """Write ``<out>.md`` and ``<out>/throughput_P8.png``; returns the markdown."""
+def write_report(entries, out: str, command: str, curves_dir: str | None = None) -> str:
+    """Write ``<out>.md`` and ``<out>/throughput_P8.png``; returns the markdown. ``curves_dir``: the look-ahead
+    curve study (default: ``lookahead/`` beside ``out``)."""
+    curves_dir = curves_dir or os.path.join(os.path.dirname(os.path.abspath(out)), "lookahead")
     from .peers_plots import plot_throughput_vs_m
     figure = plot_throughput_vs_m(entries, 8, os.path.join(out, "throughput_P8.png"))
     started = sorted(e["started_utc"] for e in entries)
@@ -249,18 +176,20 @@ def write_report(entries, out: str, command: str, curves_dir: str = "docs/result
     rows = time_to_loss_rows(entries, curves_dir)
     if rows:
         lines += ["## Time to the same loss", "",
-                  f"Loss curves: the look-ahead curve study ({curves_dir}, 300 steps, 2 seeds, its own model of one "
-                  "block per stage); the synchronous peers' steps are stock's (same loss at every step, checked in "
-                  "every cell below); times: this study's measured seconds per step.", "", time_to_loss_table(rows),
-                  ""]
+                  f"Loss curves: the look-ahead curve study ({os.path.relpath(curves_dir)}, 300 steps, 2 seeds, its "
+                  "own model of one block per stage); the synchronous peers' steps are stock's (same loss at every "
+                  "step, checked in every cell below); times: this study's measured seconds per step.", "",
+                  time_to_loss_table(rows), ""]
     lines += ["## Every cell", ""]
     for e in entries:
         lines += [cell_table(e), ""]
     lines += ["## The simulator against the measurements", "",
               "Simulated: each schedule's own action list (torch's `pipeline_order`; for torch's 1F1B the order its "
               "runtime executes) and DeepSpeed's and PACI's instruction streams, timed with the cell's emulated F, B, "
-              "W and nothing else (`ds_paci.tools.peer_schedules`, `ds_paci.tools.simulate`).", "",
-              simulator_table(entries), ""]
+              "W and nothing else (`ds_paci.tools.peer_schedules`, `ds_paci.tools.simulate`). With host time: plus "
+              "h per micro-batch and rank, fitted on stock. Replay: the first timed step of round 0 timed with its own "
+              "measured action durations (`ds_paci.tools.bench.peers_simcheck`).", "",
+              simulator_table(entries, TITLES), ""]
     notes = os.path.join(out, "notes.md")
     if os.path.exists(notes):
         with open(notes) as f:

@@ -14,11 +14,11 @@ down before the next is built:
   pipeline divides the loss by ``M``), ``schedule.step`` on the same ``M`` micro-batches concatenated (torch splits
   them back along dim 0), then ``optimizer.step()``.
 
-Per run and rank it returns the per-step ``(start, end)`` times, the per-step loss (last stage), per step the bytes
-saved for backward at its start and at its peak (:class:`.meters.SavedTensorMeter`, the same meter for every engine), the emulated waits per
-kind, and in round 0 the final weights (for the engine-independent validation loss and the agreement check) and,
-for torch's schedules, the compute actions as executed in the first timed step (stage, kind, micro-batch) with
-their start and end times.
+Per run and rank it returns the per-step ``(start, end)`` times, the per-step loss (last stage), per step the
+bytes saved for backward at its start and at its peak (:class:`.meters.SavedTensorMeter`, the same meter for every
+engine), the emulated waits per kind, and in round 0 the final weights (for the engine-independent validation loss
+and the agreement check) and the first timed step's actions: for torch's schedules each compute action as executed
+(stage, kind, micro-batch) with its start and end, for DeepSpeed's engines every instruction with its times.
 """
 
 from __future__ import annotations
@@ -203,7 +203,8 @@ def _run_torch(job: CellJob, name: str, rank: int, keep_state: bool) -> dict:
             peaks.append(meter.peak_saved_bytes)
             order.on = False
             losses.append(float(torch.stack(kwargs["losses"]).mean()) if last else None)
-    result = {"calls": calls, "losses": losses, "saved_bytes": {"held_at_step_start": held, "step_peak": peaks}, "stages": mine,
+    result = {"calls": calls, "losses": losses, "saved_bytes": {"held_at_step_start": held, "step_peak": peaks},
+              "stages": mine,
               "waits": {k: sum(emulated_waits(m)[k] for m in modules) for k in ("forward", "input_grad",
                                                                                "weight_grad")},
               "executed": order.actions, "executed_times": order.times,
