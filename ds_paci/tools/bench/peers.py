@@ -87,17 +87,20 @@ def validation_batches(cell: PeerCell, data_path: str) -> list:
     return eval_micro_batches(tokens["val"].long(), cell.micro_batch_size, cell.seq_len, count=cell.val_batches)
 
 
-def run_cell(cell: PeerCell, engines, rounds: int, data_path: str, log_dir: str, timeout: float) -> dict:
+def run_cell(cell: PeerCell, engines, rounds: int, data_path: str, log_dir: str, timeout: float,
+             max_load: float = 0.0, max_wait: float = 0.0) -> dict:
     """One world running the cell's engines; returns the cell's JSON entry."""
     ok, skipped = runnable(cell, engines)
     load_before = list(os.getloadavg())
     began, started = time.monotonic(), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    job = CellJob(cell=cell, engines=tuple(ok), rounds=rounds, data_path=data_path)
-    ranks = world.run_world(run_cell_rank, cell.stages, job, timeout=timeout, log_dir=log_dir,
-                            gloo_timeout_s=min(timeout, 900), accelerator=None)
+    job = CellJob(cell=cell, engines=tuple(ok), rounds=rounds, data_path=data_path, max_load=max_load,
+                  max_wait=max_wait)
+    ranks = world.run_world(run_cell_rank, cell.stages, job, timeout=timeout + rounds * max_wait, log_dir=log_dir,
+                            gloo_timeout_s=max_wait + 900, accelerator=None)
     summary = summarize_cell(cell, ranks, ok, validation_batches(cell, data_path))
     return {"cell": dataclasses.asdict(cell), "name": cell.name, "label": cell.label(), "rounds": rounds,
-            "engines": ok, "skipped": skipped, **summary, "started_utc": started,
+            "engines": ok, "skipped": skipped, **summary, "max_load": max_load,
+            "waited_for_quiet_seconds": ranks[0]["waited_for_quiet_seconds"], "started_utc": started,
             "wall_seconds": time.monotonic() - began, "loadavg_before": load_before,
             "loadavg_after": list(os.getloadavg())}
 
@@ -138,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rerun cells whose results are stored")
     p.add_argument("--smoke", action="store_true", help="one tiny emulated P=2 cell (stock and ZB-V unless --engines)")
     p.add_argument("--timeout", type=float, default=5400.0, help="seconds before a cell's world is killed")
+    p.add_argument("--max-load", type=float, default=0.0,
+                   help="before each round wait until the 1-minute load average is below this (0: never wait)")
+    p.add_argument("--max-wait", type=float, default=900.0, help="seconds a round waits for --max-load at most")
     p.add_argument("--log-dir", help="per-rank logs (default: a new temporary folder)")
     return p
 
@@ -184,7 +190,7 @@ def main(argv=None) -> int:
             print(f"[peers] {cell.name}: {cell.label()}, load {os.getloadavg()[0]:.2f}", flush=True)
             try:
                 entry = run_cell(cell, engines, args.rounds, data_path, os.path.join(log_root, cell.name),
-                                 args.timeout)
+                                 args.timeout, args.max_load, args.max_wait)
             except world.WorldFailure as e:
                 print(f"ds_paci.bench: cell {cell.name} failed: {e}", file=sys.stderr)
                 return 1

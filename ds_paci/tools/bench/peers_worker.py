@@ -44,6 +44,8 @@ class CellJob:
     engines: tuple
     rounds: int
     data_path: str
+    max_load: float = 0.0  # > 0: before each round, wait (at most max_wait seconds) for a 1-minute load below it
+    max_wait: float = 0.0
 
 
 def rotated(engines, round_index: int) -> list:
@@ -215,11 +217,25 @@ def _run_torch(job: CellJob, name: str, rank: int, keep_state: bool) -> dict:
     return result
 
 
+def wait_for_quiet(max_load: float, max_wait: float) -> float:
+    """Sleep until the 1-minute load average is below ``max_load`` or ``max_wait`` seconds passed; the seconds waited.
+
+    Other jobs on a shared machine take the CPU the ranks' host work needs; a round started in a quieter minute
+    measures the schedules rather than the neighbours.
+    """
+    began = time.monotonic()
+    while max_load > 0 and os.getloadavg()[0] >= max_load and time.monotonic() - began < max_wait:
+        time.sleep(10)
+    return time.monotonic() - began
+
+
 def run_cell_rank(rank: int, job: CellJob) -> dict:
     """Body of one rank: every engine of ``job`` for ``job.rounds`` rounds; ``{"runs": {round: {engine: ...}}}``."""
     import torch.distributed as dist
-    runs = {}
+    runs, waited = {}, []
     for r in range(job.rounds):
+        if rank == 0:  # the others wait in the barrier below
+            waited.append(wait_for_quiet(job.max_load, job.max_wait))
         runs[r] = {}
         for engine in rotated(job.engines, r):
             dist.barrier()
@@ -234,4 +250,4 @@ def run_cell_rank(rank: int, job: CellJob) -> dict:
             runs[r][engine]["loadavg_1min"] = os.getloadavg()[0]
             gc.collect()
     dist.barrier()
-    return {"rank": rank, "runs": runs}
+    return {"rank": rank, "runs": runs, "waited_for_quiet_seconds": waited}
