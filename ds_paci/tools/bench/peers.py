@@ -7,7 +7,7 @@ micro-batching, loss scaling and optimizer (:mod:`.peers_worker`). Emulated devi
 their backward, torch's split schedules pay ``B`` in the input-gradient pass and ``W`` in the weight-gradient pass.
 
 Grid (:func:`grid`): emulated ``P`` in {4, 8} x ``M`` in {P/2, P, 2P} x ``F:B:W`` in {1:1:1, 1:2:1 with a slow
-last stage} (f = 20 ms per block), and real compute at ``P = 2`` with ``M`` in {1, 2, 4}. A schedule torch refuses
+last stage} (f = 40 ms per block: host work on a shared 2-core machine stays small beside it), and real compute at ``P = 2`` with ``M`` in {1, 2, 4}. A schedule torch refuses
 for a shape is left out of that cell with torch's reason (1F1B needs ``M >= P``, DualPipeV ``M >= 2P``).
 
 Each cell is one world of ``P`` processes running every engine in turn for ``--rounds`` rounds (the order rotates
@@ -48,7 +48,7 @@ def grid(rounds_steps: dict | None = None) -> list:
     for p in (4, 8):
         for ratio, slow in (("1:1:1", False), ("1:2:1", True)):
             for m in (p // 2, p, 2 * p):
-                cells.append(PeerCell(stages=p, micro_batches=m, ratio=ratio, unit=0.02, slow_last=slow))
+                cells.append(PeerCell(stages=p, micro_batches=m, ratio=ratio, unit=0.04, slow_last=slow, steps=5))
     return [check_cell(dataclasses.replace(c, **(rounds_steps or {}))) for c in cells]
 
 
