@@ -61,6 +61,14 @@ CASES = {
 ENGINES = {"stock": (None, []), "paci": ({"enabled": True}, []), "zbh1": (None, ["--enable-zbh1-pipeline"])}
 
 
+def wait_for_quiet(max_load, max_wait):
+    """Sleep until the 1-minute load average is below ``max_load`` (0: never wait) or ``max_wait`` s passed."""
+    began = time.monotonic()
+    while max_load > 0 and os.getloadavg()[0] >= max_load and time.monotonic() - began < max_wait:
+        time.sleep(10)
+    return round(time.monotonic() - began, 1)
+
+
 def launch(case, engine, data, tree, out, round_no):
     c = CASES[case]
     run_dir = out / "runs" / f"{case}-{engine}-r{round_no}"
@@ -143,6 +151,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", nargs="+", default=["p2", "p4-emulated", "p2-ckact"], choices=sorted(CASES))
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--max-load", type=float, default=0.0,
+                    help="before each launch wait until the 1-minute load average is below this (0: never wait)")
+    ap.add_argument("--max-wait", type=float, default=900.0, help="seconds a launch waits for --max-load at most")
     ap.add_argument("--summarize", action="store_true",
                     help="no launches: re-read the logs of an earlier run in --out and rewrite the summary")
     a = ap.parse_args()
@@ -164,7 +175,9 @@ def main():
                 k = r % len(a.engines)
                 order = a.engines[k:] + a.engines[:k]  # each round another engine goes first
                 for engine in order:
-                    res = launch(case, engine, data, tree, out, r)
+                    waited = wait_for_quiet(a.max_load, a.max_wait)
+                    res = {**launch(case, engine, data, tree, out, r), "waited_for_quiet_s": waited,
+                           "load_avg_1min_before": os.getloadavg()[0]}
                     results.append(res)
                     print(json.dumps(res), flush=True)
                     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
