@@ -176,8 +176,9 @@ def main():
                 order = a.engines[k:] + a.engines[:k]  # each round another engine goes first
                 for engine in order:
                     waited = wait_for_quiet(a.max_load, a.max_wait)
+                    before = os.getloadavg()[0]
                     res = {**launch(case, engine, data, tree, out, r), "waited_for_quiet_s": waited,
-                           "load_avg_1min_before": os.getloadavg()[0]}
+                           "load_avg_1min_before": before}
                     results.append(res)
                     print(json.dumps(res), flush=True)
                     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
