@@ -27,12 +27,18 @@ def _tensors_in(obj):
 
 
 class _SavedForBackward:
-    """What autograd keeps instead of a saved tensor while the meter is on; its death releases the bytes."""
+    """What autograd keeps instead of a saved tensor while the meter is on; its death releases the bytes.
+
+    It holds the tensor *detached* (same storage, no ``grad_fn``): a saved output holding its own ``grad_fn``
+    would make a reference cycle through autograd's C++ graph that Python's collector cannot see, which keeps the
+    node alive whenever autograd does not release it itself (nodes only an input-gradient pass ran, with
+    ``retain_graph=True``, as torch's zero-bubble schedules do; a graph no backward ever ran).
+    """
 
     __slots__ = ("tensor", "key", "meter")
 
     def __init__(self, tensor, key, meter):
-        self.tensor, self.key, self.meter = tensor, key, meter
+        self.tensor, self.key, self.meter = tensor.detach(), key, meter
 
     def __del__(self):
         try:

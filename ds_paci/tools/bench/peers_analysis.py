@@ -102,9 +102,9 @@ def activation_bytes(run: dict, engine: str, warmup: int) -> int:
     """Peak bytes saved for backward by the schedule in the timed steps of one rank's run.
 
     A synchronous schedule frees every activation by the end of its step, so bytes still saved when a step starts
-    are not its activations (torch 2.13's runtime keeps some: the first stage's shape-inference graph, and with the
-    I/W split bytes that grow every step); they are subtracted per step. PACI's engines keep micro-batches in
-    flight across calls: for them the raw peak counts.
+    are not its activations and are subtracted per step (a guard: the study measured none, see
+    ``held_at_step_start_per_rank``). PACI's engines keep micro-batches in flight across calls: for them the raw
+    peak counts.
     """
     held, peaks = run["saved_bytes"]["held_at_step_start"], run["saved_bytes"]["step_peak"]
     if engine not in SYNCHRONOUS:

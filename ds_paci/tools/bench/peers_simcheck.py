@@ -7,10 +7,10 @@ Three predictions per emulated cell and engine, next to the measured ratio to st
   and nothing else;
 * **with host time**: the same plus ``h`` seconds per micro-batch and rank added to every forward, ``h`` fitted so
   that stock's simulated step equals its measured one (one parameter for the whole cell);
-* **replay**: the recorded step of the run itself, timed with the measured duration of every action (torch's
+* **replay**: the first timed step of round 0 timed with the measured duration of each of its actions (torch's
   schedules: each ``F``/``I``/``W``/``B``; DeepSpeed's engines: each stage's mean forward and backward and its
-  optimizer step), so what remains between replay and measurement is waiting that the dependency model does not
-  have (transfers, the CPU shared by all ranks between actions).
+  optimizer step), beside the median measured step: what remains between them is time the dependency model does
+  not have (transfers, host work between actions, a step that was slower than the median).
 """
 
 from __future__ import annotations
@@ -56,14 +56,6 @@ def simulated_ratios(cell: PeerCell, engines, host: float = 0.0) -> dict:
     """Throughput over stock's of each engine in the simulator (see :func:`simulated_step_seconds`)."""
     stock = simulated_step_seconds(cell, "stock", host)
     return {engine: stock / simulated_step_seconds(cell, engine, host) for engine in engines}
-
-
-def measured_step(summary: dict) -> float | None:
-    """Seconds of the recorded step: first start to last end over the ranks."""
-    steps = [s for s in summary.get("recorded_step") or [] if s]
-    if not steps:
-        return None
-    return max(end for _, end in steps) - min(start for start, _ in steps)
 
 
 def replay_step_seconds(cell: PeerCell, engine: str, summary: dict) -> float | None:
@@ -114,15 +106,15 @@ def simulator_rows(entries) -> list:
         sim, sim_host = simulated_ratios(cell, e["engines"]), simulated_ratios(cell, e["engines"], host)
         for engine, summary in e["engines"].items():
             measured = e["ratios"]["vs_stock"][engine]
-            replay, recorded = replay_step_seconds(cell, engine, summary), measured_step(summary)
+            replay, measured_seconds = replay_step_seconds(cell, engine, summary), summary["seconds_per_step_median"]
             rows.append({"cell": e["name"], "engine": engine, "measured": measured, "simulated": sim[engine],
                          "difference": measured / sim[engine] - 1.0, "host_seconds": host,
                          "simulated_with_host": sim_host[engine],
                          "difference_with_host": measured / sim_host[engine] - 1.0,
                          "measured_step": summary["seconds_per_step_median"],
                          "simulated_step": simulated_step_seconds(cell, engine),
-                         "recorded_step": recorded, "replay_step": replay,
-                         "replay_difference": None if not replay or not recorded else recorded / replay - 1.0})
+                         "replay_step": replay,
+                         "replay_difference": None if not replay else measured_seconds / replay - 1.0})
     return rows
 
 
@@ -132,12 +124,12 @@ def _flag(x) -> str:
 
 def simulator_table(entries, titles: dict) -> str:
     lines = ["| cell | engine | measured vs stock | simulated | measured / simulated - 1 | with host time h: "
-             "simulated, measured / it - 1 | s/step: measured / simulated | recorded step: measured / replay - 1 |",
+             "simulated, measured / it - 1 | s/step: measured / simulated / replay | measured / replay - 1 |",
              "|---|---|---|---|---|---|---|---|"]
     for r in simulator_rows(entries):
-        replay = "-" if r["replay_difference"] is None else (f"{r['recorded_step']:.3f} s / {r['replay_step']:.3f} s, "
-                                                            f"{r['replay_difference']:+.1%}")
-        steps = f"{r['measured_step']:.3f} / {r['simulated_step']:.3f}"
+        replay = "-" if r["replay_difference"] is None else f"{r['replay_difference']:+.1%}"
+        steps = f"{r['measured_step']:.3f} / {r['simulated_step']:.3f} / " + (
+            "-" if r["replay_step"] is None else f"{r['replay_step']:.3f}")
         if r["engine"] == "stock":
             lines.append(f"| {r['cell']} | {titles['stock']} | 1 | 1 | | h = {r['host_seconds'] * 1000:.1f} ms per "
                          f"micro-batch and rank | {steps} | {replay} |")
