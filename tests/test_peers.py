@@ -152,3 +152,22 @@ def test_smoke_study_synchronous_engines_agree_with_stock(tmp_path):
     assert 0 <= torch_1f1b[1] - stock[1] <= cell.micro_batches * cell.micro_batch_size * cell.seq_len * 8
     markdown = (tmp_path / "peers.md").read_text()
     assert "PACI + look-ahead against the best synchronous peer" in markdown and "(agrees)" in markdown
+
+
+def test_meter_releases_what_torchs_split_backward_leaves_to_the_collector():
+    """A node only the input-gradient pass runs (retain_graph=True there) is never released by autograd; the meter
+    must not keep it alive through its saved output (it did before it held saved tensors detached)."""
+    import gc
+
+    from ds_paci.tools.bench.meters import SavedTensorMeter
+    lin = torch.nn.Linear(8, 8)
+    meter = SavedTensorMeter(lin.parameters())
+    with meter.training():
+        x = torch.randn(4, 8, requires_grad=True)
+        out = lin(torch.sigmoid(x))  # sigmoid saves its output; only the input gradient needs it
+        saved = meter.saved_bytes
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], lin.parameters())
+        stage_backward_weight(lin.parameters(), groups)
+        del out, groups, x
+    gc.collect()
+    assert saved > 0 and meter.saved_bytes == 0 and meter.peak_saved_bytes == saved
