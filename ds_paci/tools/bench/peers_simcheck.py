@@ -9,8 +9,8 @@ Three predictions per emulated cell and engine, next to the measured ratio to st
   that stock's simulated step equals its measured one (one parameter for the whole cell);
 * **replay**: the first timed step of round 0 timed with the measured duration of each of its actions (torch's
   schedules: each ``F``/``I``/``W``/``B``; DeepSpeed's engines: each stage's mean forward and backward and its
-  optimizer step), beside the median measured step: what remains between them is time the dependency model does
-  not have (transfers, host work between actions, a step that was slower than the median).
+  optimizer step), beside round 0's measured seconds per step: what remains between them is time the dependency
+  model does not have (transfers, host work between actions, a recorded step slower than its round's mean).
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def simulator_rows(entries) -> list:
         sim, sim_host = simulated_ratios(cell, e["engines"]), simulated_ratios(cell, e["engines"], host)
         for engine, summary in e["engines"].items():
             measured = e["ratios"]["vs_stock"][engine]
-            replay, measured_seconds = replay_step_seconds(cell, engine, summary), summary["seconds_per_step_median"]
+            replay = replay_step_seconds(cell, engine, summary)
+            round_0 = cell.tokens_per_step / summary["tokens_per_second"]["per_round"][0]  # the replayed step's round
             rows.append({"cell": e["name"], "engine": engine, "measured": measured, "simulated": sim[engine],
                          "difference": measured / sim[engine] - 1.0, "host_seconds": host,
                          "simulated_with_host": sim_host[engine],
@@ -114,7 +115,8 @@ def simulator_rows(entries) -> list:
                          "measured_step": summary["seconds_per_step_median"],
                          "simulated_step": simulated_step_seconds(cell, engine),
                          "replay_step": replay,
-                         "replay_difference": None if not replay else measured_seconds / replay - 1.0})
+                         "round_0_step": round_0,
+                         "replay_difference": None if not replay else round_0 / replay - 1.0})
     return rows
 
 
@@ -124,12 +126,13 @@ def _flag(x) -> str:
 
 def simulator_table(entries, titles: dict) -> str:
     lines = ["| cell | engine | measured vs stock | simulated | measured / simulated - 1 | with host time h: "
-             "simulated, measured / it - 1 | s/step: measured / simulated / replay | measured / replay - 1 |",
+             "simulated, measured / it - 1 | s/step: measured (median) / simulated | round 0: s/step measured / "
+             "replay, - 1 |",
              "|---|---|---|---|---|---|---|---|"]
     for r in simulator_rows(entries):
-        replay = "-" if r["replay_difference"] is None else f"{r['replay_difference']:+.1%}"
-        steps = f"{r['measured_step']:.3f} / {r['simulated_step']:.3f} / " + (
-            "-" if r["replay_step"] is None else f"{r['replay_step']:.3f}")
+        replay = "-" if r["replay_difference"] is None else (
+            f"{r['round_0_step']:.3f} / {r['replay_step']:.3f}, {r['replay_difference']:+.1%}")
+        steps = f"{r['measured_step']:.3f} / {r['simulated_step']:.3f}"
         if r["engine"] == "stock":
             lines.append(f"| {r['cell']} | {titles['stock']} | 1 | 1 | | h = {r['host_seconds'] * 1000:.1f} ms per "
                          f"micro-batch and rank | {steps} | {replay} |")
