@@ -22,7 +22,8 @@ Cases (same model, data, arguments and seed for every engine; only the DeepSpeed
 Each round runs every case's engines one after the other, alternating which goes first. Throughput: tokens per
 iteration / the median of Megatron's own ``elapsed time per iteration`` over iterations 3..N (evaluation only at
 the end, so no iteration carries it); also from the fastest such iteration (less sensitive to other jobs on a
-shared machine). ``--summarize`` recomputes the summary from the logs of an earlier run. Memory: the peak resident set of the largest process of the launch
+shared machine). ``--add`` keeps the stored results and replaces only what it runs (one case at a time).
+``--summarize`` recomputes the summary from the logs of an earlier run. Memory: the peak resident set of the largest process of the launch
 (``wait4``), i.e. of the busiest rank. Loss: Megatron's final validation loss (``--eval-iters 8``).
 Async PACI with tied embeddings on two stages needs ``"gradient_clipping": 0``; both engines run without clipping,
 so the comparison is like for like. This CPU machine needs the test environment's shims
@@ -154,6 +155,8 @@ def main():
     ap.add_argument("--max-load", type=float, default=0.0,
                     help="before each launch wait until the 1-minute load average is below this (0: never wait)")
     ap.add_argument("--max-wait", type=float, default=900.0, help="seconds a launch waits for --max-load at most")
+    ap.add_argument("--add", action="store_true",
+                    help="keep the stored results.json of --out; a launch replaces the entry of its case, engine, round")
     ap.add_argument("--summarize", action="store_true",
                     help="no launches: re-read the logs of an earlier run in --out and rewrite the summary")
     a = ap.parse_args()
@@ -169,7 +172,8 @@ def main():
         tree = megatron.extract(megatron.find_snapshot(), CACHE)
         env = megatron.run_env([SHIMS])
         data = megatron.prepare_data(tree, CACHE / "data", vocab_size=1024, env=env)
-        results = []
+        stored = out / "results.json"
+        results = json.loads(stored.read_text()) if a.add and stored.exists() else []
         for r in range(a.rounds):
             for case in a.cases:
                 k = r % len(a.engines)
@@ -179,10 +183,12 @@ def main():
                     before = os.getloadavg()[0]
                     res = {**launch(case, engine, data, tree, out, r), "waited_for_quiet_s": waited,
                            "load_avg_1min_before": before}
+                    results = [x for x in results if (x["case"], x["engine"], x["round"]) != (case, engine, r)]
                     results.append(res)
                     print(json.dumps(res), flush=True)
                     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    summary = {case: summarize(results, case) for case in a.cases}
+    cases = sorted({x["case"] for x in results}) if a.add else a.cases
+    summary = {case: summarize(results, case) for case in cases}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
 
