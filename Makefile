@@ -33,7 +33,7 @@ OLDEST_TESTS ?= 'tests/test_engine.py::test_micro_batches_crossing_a_local_step_
 	tests/test_contract.py::test_sync_mode_is_the_stock_engine_with_deepspeeds_default_clipping \
 	tests/test_config.py tests/test_compat.py
 
-.PHONY: setup train train-flush test test-oldest bench simulate clean
+.PHONY: setup train train-flush test test-oldest bench peers simulate clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,12 @@ test-oldest: $(OLD_STAMP)
 
 bench: $(STAMP)
 	$(PY) -m ds_paci.tools.bench --preset headline --out docs/results
+
+# PACI against torch's synchronous schedules (issue 17): about 1.5-2.5 h on 2 shared cores, resumable per cell
+# (docs/results/peers/cells/*.json); the report is docs/results/peers.md. PEERS_ARGS="--cells P8_M8_fbw111" etc.
+PEERS_ARGS ?=
+peers: $(STAMP)
+	$(PY) -m ds_paci.tools.bench --study peers --out docs/results/peers $(PEERS_ARGS)
 
 simulate: $(STAMP)
 	$(PY) -m ds_paci.tools.simulate --stages 2 4 8 --micro-batches 4 8 16

@@ -663,8 +663,12 @@ def reference_rows(stages, micro_batches, f=1.0):
 # -- comparison table -------------------------------------------------------------------
 
 
-def comparison_rows(stages, micro_batches, window=None, calls=8, cost=None):
+def comparison_rows(stages, micro_batches, window=None, calls=8, cost=None, peers=False, weight_share=0.5):
     """Rows for one (P, M): stock (DeepSpeed TrainSchedule), PACI, and the formula rows.
+
+    ``peers``: also one row per torch.distributed.pipelining schedule, timed from its own action list
+    (:func:`ds_paci.tools.peer_schedules.peer_rows`), with each stage's backward split ``1 - weight_share`` :
+    ``weight_share`` into input and weight gradient.
 
     ``throughput_vs_stock`` is the ratio of long-run micro-batches per unit time (see
     :func:`long_run_period`); for formula rows ``(1-b)/(1-b_1F1B)`` (same compute).
@@ -705,6 +709,12 @@ def comparison_rows(stages, micro_batches, window=None, calls=8, cost=None):
                    throughput_vs_stock=(1 - ref["bubble_fraction"]) / (1 - one_f1b),
                    ideal_ratio=ideal)
         rows.append(ref)
+    if peers:
+        from .peer_schedules import costs_from_ranks, peer_rows
+        forward = [cost.forward_time(s) for s in range(P)]
+        backward = [cost.backward_time(s) for s in range(P)]
+        rows.extend(peer_rows(P, M, lambda n: costs_from_ranks(forward, backward, weight_share, n), stock_period,
+                              cost.latency, cost.step))
     return rows
 
 
@@ -718,6 +728,10 @@ def markdown_table(rows):
               "| max drift | ideal (M+P-1)/M |")
     lines = [header, "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        if r.get("unavailable"):
+            lines.append(f"| {r['P']} | {r['M']} | {r['schedule']} | not run: {r['unavailable']} | | | | | "
+                         f"{r['ideal_ratio']:.3f} |")
+            continue
         lines.append(f"| {r['P']} | {r['M']} | {r['schedule']} | {pct(r['bubble_fraction'])} "
                      f"| {pct(r['steady_state_bubble'])} | {r['throughput_vs_stock']:.3f} | {r['peak_in_flight']} "
                      f"| {r['max_drift']} | {r['ideal_ratio']:.3f} |")
@@ -740,6 +754,10 @@ def _parser():
     p.add_argument("--latency", type=float, default=0.0, help="p2p transfer time")
     p.add_argument("--overhead", type=float, default=0.0, help="per-micro-batch time added to each forward")
     p.add_argument("--step-time", type=float, default=0.0, help="optimizer/local step time")
+    p.add_argument("--peers", action="store_true",
+                   help="add torch.distributed.pipelining's schedules, timed from their own action lists")
+    p.add_argument("--weight-share", type=float, default=0.5,
+                   help="with --peers: share of the backward that is the weight gradient (W)")
     p.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
     one = p.add_argument_group("one configuration (first --stages and --micro-batches value)")
     one.add_argument("--schedule", choices=["paci", "stock"], default="paci")
@@ -757,7 +775,7 @@ def main(argv=None):
     rows = []
     for P in args.stages:
         for M in args.micro_batches:
-            rows.extend(comparison_rows(P, M, args.window, args.calls, cost))
+            rows.extend(comparison_rows(P, M, args.window, args.calls, cost, args.peers, args.weight_share))
     print(markdown_table(rows))
     if args.json:
         with open(args.json, "w") as f:

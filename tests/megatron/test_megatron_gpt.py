@@ -81,6 +81,20 @@ PACI = {
 }
 
 
+def test_zbh1_prints_the_stock_losses(prepared):
+    """Megatron-DeepSpeed's ZB-H1 (``--enable-zbh1-pipeline``: its ``ZeroBubbleH1Pipeline`` inside DeepSpeed's
+    stock engine, weight gradients deferred to ``WeightPass``) computes what the stock engine computes: the peer
+    study's like-with-like check for the Megatron side (``scripts/megatron_bench.py`` times it)."""
+    out = prepared["out"]
+    stock = _launch(prepared, "stock", "stock", ["--save", out / "stock-ckpt", "--save-interval", STOP])
+    zbh1 = _launch(prepared, "zbh1", "stock", ["--enable-zbh1-pipeline"])
+    assert re.search(r"enable_zbh1_pipeline \.+ True", zbh1.output)
+    _assert_iteration_lines(zbh1.log, 1, ITERS)
+    for i in range(1, ITERS + 1):  # the same printed digits: same math, only the weight gradients run later
+        assert zbh1.log.iterations[i]["lm loss text"] == stock.log.iterations[i]["lm loss text"], i
+    assert zbh1.log.validation["final"] == stock.log.validation["final"]
+
+
 def _launch(prepared, name, mode, extra=(), nproc=2):
     """One launch, run once per module and shared by the tests; asserts it exited with 0."""
     runs = prepared["runs"]

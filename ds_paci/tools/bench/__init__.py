@@ -48,6 +48,10 @@ Outputs under ``--out``: ``<config>.json`` per configuration, ``summary.md``,
 ``--trace``, ``<config>_timeline_{stock,paci}.png`` / ``.json`` (Chrome trace).
 Speed targets are reported against, never enforced.
 
+``python -m ds_paci.tools.bench --study peers`` (``make peers``; its own options: ``--study peers --help``) is
+the peer study of issue 17: PACI against torch.distributed.pipelining's synchronous schedules (GPipe, 1F1B,
+interleaved 1F1B, ZB1P, ZB-V, DualPipeV) with emulated F, B and W time (:mod:`.peers`).
+
 Modules: :mod:`.config` (configurations and presets), :mod:`.meters` (what a rank
 measures), :mod:`.runner` (a rank's run, worlds, rounds), :mod:`.analysis` (pure
 functions over the results), :mod:`.report` (markdown), :mod:`.plots` (figures and

@@ -156,6 +156,9 @@ def reanalyse(out: str, configs: list, target_loss) -> dict:
 
 def main(argv=None) -> int:
     """Command line entry point (see the module docstring and ``--help``)."""
+    from . import peers
+    if peers.is_peers_study(sys.argv[1:] if argv is None else argv):  # a study with a command line of its own
+        return peers.main(argv)
     parser = _parser()
     args = parser.parse_args(argv)
     if args.study:

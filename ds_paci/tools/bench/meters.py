@@ -27,12 +27,18 @@ def _tensors_in(obj):
 
 
 class _SavedForBackward:
-    """What autograd keeps instead of a saved tensor while the meter is on; its death releases the bytes."""
+    """What autograd keeps instead of a saved tensor while the meter is on; its death releases the bytes.
+
+    It holds the tensor *detached* (same storage, no ``grad_fn``): a saved output holding its own ``grad_fn``
+    would make a reference cycle through autograd's C++ graph that Python's collector cannot see, which keeps the
+    node alive whenever autograd does not release it itself (nodes only an input-gradient pass ran, with
+    ``retain_graph=True``, as torch's zero-bubble schedules do; a graph no backward ever ran).
+    """
 
     __slots__ = ("tensor", "key", "meter")
 
     def __init__(self, tensor, key, meter):
-        self.tensor, self.key, self.meter = tensor, key, meter
+        self.tensor, self.key, self.meter = tensor.detach(), key, meter
 
     def __del__(self):
         try:
@@ -41,30 +47,23 @@ class _SavedForBackward:
             pass
 
 
-class ActivationMeter:
-    """Peak activation bytes of one pipeline stage, measured identically for every engine.
+class SavedTensorMeter:
+    """Peak bytes of the tensors autograd saves for backward, for any engine's parameters.
 
-    * ``peak_saved_bytes``: most bytes ever held at once by tensors autograd saved for
-      backward, counted once per storage, parameters excluded. Tracked at every save.
-    * ``peak_held_bytes``: most bytes of the union of those saved storages, the
-      engine's ``pipe_buffers`` (inputs, labels, outputs) and the stage output, sampled
-      right after each training forward of the stage (when a 1F1B stage holds most).
-
-    Use :meth:`training` around training calls only; evaluation is not counted.
+    ``peak_saved_bytes``: most bytes ever held at once by tensors saved for backward while :meth:`training`
+    is on, counted once per storage, the storages of ``params`` excluded. Tracked at every save; a saved
+    tensor counts until autograd drops it (after the backward that used it, or with its graph).
     """
 
-    def __init__(self, engine):
-        self._engine = engine
-        self._param_storages = {_storage_of(p)[0] for p in engine.module.parameters()}
+    def __init__(self, params):
+        self._param_storages = {_storage_of(p)[0] for p in params}
         self._saved = {}  # storage data_ptr -> [references, nbytes]
         self.saved_bytes = 0
         self.peak_saved_bytes = 0
-        self.peak_held_bytes = 0
         self._active = False
-        engine.module.register_forward_hook(self._after_stage_forward)
 
     def training(self):
-        """Context manager: count saved tensors and sample held bytes inside it."""
+        """Context manager: count saved tensors inside it."""
         import contextlib
 
         import torch
@@ -98,12 +97,35 @@ class ActivationMeter:
     def _unpack(packed):
         return packed.tensor if isinstance(packed, _SavedForBackward) else packed
 
+    def reset_peak(self):
+        """Start the peak afresh from what is saved now (e.g. after warm-up steps)."""
+        self.peak_saved_bytes = self.saved_bytes
+
     def _release(self, key):
         entry = self._saved[key]
         entry[0] -= 1
         if entry[0] == 0:
             del self._saved[key]
             self.saved_bytes -= entry[1]
+
+
+class ActivationMeter(SavedTensorMeter):
+    """Peak activation bytes of one pipeline stage, measured identically for every engine.
+
+    * ``peak_saved_bytes``: most bytes ever held at once by tensors autograd saved for
+      backward, counted once per storage, parameters excluded. Tracked at every save.
+    * ``peak_held_bytes``: most bytes of the union of those saved storages, the
+      engine's ``pipe_buffers`` (inputs, labels, outputs) and the stage output, sampled
+      right after each training forward of the stage (when a 1F1B stage holds most).
+
+    Use :meth:`training` around training calls only; evaluation is not counted.
+    """
+
+    def __init__(self, engine):
+        super().__init__(engine.module.parameters())
+        self._engine = engine
+        self.peak_held_bytes = 0
+        engine.module.register_forward_hook(self._after_stage_forward)
 
     def _after_stage_forward(self, module, inputs, output):
         import torch

@@ -14,6 +14,15 @@ imports the module concerned. No Megatron or DeepSpeed file is edited. What each
 4. ``megatron.data.indexed_dataset.MMapIndexedDatasetBuilder.add_doc`` counts tokens the sizes leave out into the
    document's last sentence: ``tools/preprocess_data.py --append-eod`` appends the EOD to the ids but not to the
    sentence lengths (upstream NVIDIA/Megatron-LM#431), which shifts every later document in the ``.idx``.
+5. ``deepspeed.runtime.pipe.engine.PipelineEngine.mem_status`` -> a no-op, only where DeepSpeed lacks it. Megatron's
+   ZB-H1 (``--enable-zbh1-pipeline``, ``deepspeed_zbh1_engine.py``) calls it; older DeepSpeed releases had it as a
+   method whose first statement was ``return``, newer ones dropped it (0.19.8 has none).
+6. ``megatron.core.pipeline_parallel.deepspeed_zbh1_engine._exec_backward_only_pass`` runs with the engine's
+   ``_running_engine_backward`` flag set, only where DeepSpeed has that flag. DeepSpeed 0.19.x hooks every
+   forward output and refuses a backward through it that the engine did not start (``Direct calls to
+   tensor.backward() are not supported ... ZeRO stage 0``); its own ``PipelineEngine._exec_backward_pass`` sets
+   the flag around the same ``backward`` call of a non-last stage, which Megatron's ZB-H1 copy of that function
+   (written against older DeepSpeed) does not. Same computation, same flag as the stock engine's backward.
 """
 
 import importlib.abc
@@ -64,6 +73,26 @@ def _eod_sizes(module):
     module.MMapIndexedDatasetBuilder.add_doc = add_doc_with_eod
 
 
+def _mem_status(module):
+    if not hasattr(module.PipelineEngine, "mem_status"):
+        module.PipelineEngine.mem_status = lambda self, msg, print_rank=-1, reset_max=False: None
+
+
+def _zbh1_engine_backward(module):
+    backward_only = module._exec_backward_only_pass
+
+    def backward_only_as_the_engine(self, buffer_id):
+        if not hasattr(self, "_running_engine_backward") or self.is_last_stage():  # the last stage: engine.backward
+            return backward_only(self, buffer_id)
+        self._running_engine_backward = True
+        try:
+            return backward_only(self, buffer_id)
+        finally:
+            self._running_engine_backward = False
+
+    module._exec_backward_only_pass = backward_only_as_the_engine
+
+
 class _StubLoader(importlib.abc.Loader):
     def __init__(self, fill):
         self.fill = fill
@@ -93,7 +122,9 @@ class _ReplaceFinder(importlib.abc.MetaPathFinder):
     """First on sys.meta_path: modules replaced outright, or loaded as usual and then patched."""
 
     REPLACE = {"megatron.model.vision.knn_monitor": _knn_monitor}
-    PATCH = {"megatron.model.transformer": _contiguous_attention, "megatron.data.indexed_dataset": _eod_sizes}
+    PATCH = {"megatron.model.transformer": _contiguous_attention, "megatron.data.indexed_dataset": _eod_sizes,
+             "deepspeed.runtime.pipe.engine": _mem_status,
+             "megatron.core.pipeline_parallel.deepspeed_zbh1_engine": _zbh1_engine_backward}
 
     def find_spec(self, name, path=None, target=None):
         if name in self.REPLACE:
