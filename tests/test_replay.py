@@ -1,4 +1,5 @@
-"""The single-process replay tool (exploration only): sync mode is plain training, PACI modes follow the streams."""
+"""The single-process replay: sync mode is plain training, PACI modes follow the streams (the engine comparison is
+tests/test_replay_engine.py)."""
 
 import torch
 
@@ -20,7 +21,7 @@ def _setup(seed=3):
 
 def test_sync_replay_is_plain_training_with_gradient_accumulation():
     model, data, val, tokens = _setup()
-    curve, _ = replay(model, P, M, data, val, STEPS, mode="sync", lr=1e-2, eval_every=STEPS)
+    curve = replay(model, P, M, data, val, STEPS, mode="sync", lr=1e-2, eval_every=STEPS).curve
     ref, ref_data, _, _ = _setup()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     for _ in range(STEPS):
@@ -39,8 +40,8 @@ def test_paci_replays_differ_from_sync_and_the_lookahead_predicts_the_crossing_f
     finals, stats = {}, {}
     for mode in ("sync", "paci", "lookahead"):
         model, data, val, _ = _setup()
-        curve, stats[mode] = replay(model, P, M, data, val, STEPS, mode=mode, lr=1e-2, eval_every=STEPS)
-        finals[mode] = curve[-1][1]
+        result = replay(model, P, M, data, val, STEPS, mode=mode, lr=1e-2, eval_every=STEPS)
+        finals[mode], stats[mode] = result.curve[-1][1], result.lookahead
     assert finals["paci"] != finals["sync"] and finals["lookahead"] != finals["paci"]
     st = PACIStream(P, 0, M)
     ticks = [t for _ in range(STEPS) for t in st.advance(2 * M)]
