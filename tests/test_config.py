@@ -25,17 +25,24 @@ def test_defaults_and_valid_section():
     assert not off.lookahead and off.lookahead_restore == "copy"
 
 
-def test_auto_window_keeps_drift_at_most_one_with_the_least_change():
+def test_auto_window_keeps_drift_at_most_one_on_every_stage_within_its_floors():
     from ds_paci.core.config import auto_window
     from ds_paci.core.schedule import drift_bound
     auto = parse_paci_section({"enabled": True, "accumulation_window": "auto"})
-    for P in range(1, 17):
-        for M in range(1, 17):
-            a = auto.window(M, P)
-            assert a == auto_window(P, M)
-            assert all(drift_bound(P, s, a) <= 1 for s in range(P)), (P, M, a)
-            # a = M whenever M already bounds drift by 1; otherwise the smallest a that does
-            assert a == M if M >= P - 1 else (a == P - 1 and drift_bound(P, 0, a - 1) > 1)
+    for P in range(2, 17):
+        for M in range(1, 33):
+            windows = [auto.window(M, P, s) for s in range(P)]
+            assert windows == [auto_window(P, M, s) for s in range(P)]
+            assert all(drift_bound(P, s, a) <= 1 for s, a in enumerate(windows)), (P, M, windows)
+            if M < P - 1:  # never more steps than the stock engine; late stages step every M
+                assert windows == [max(M, P - 1 - s) for s in range(P)], (P, M, windows)
+            else:  # drift <= 1 with one window, at most twice the stock engine's steps
+                assert windows == [max(P - 1, -(-M // 2))] * P, (P, M, windows)
+            # one window for every stage (tied layers across stages, sync mode): stage 0's, drift <= 1 everywhere
+            uniform = auto.window(M, P)
+            assert uniform == windows[0] and all(drift_bound(P, s, uniform) <= 1 for s in range(P))
+    assert auto.window(8, 1) == 8  # one stage: no drift, the stock engine's window
+    assert [auto_window(8, 4, s) for s in range(8)] == [7, 6, 5, 4, 4, 4, 4, 4]  # issue 19's P = 8, M = 4 cell
 
 
 @pytest.mark.parametrize("section,needle", [

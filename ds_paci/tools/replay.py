@@ -241,11 +241,13 @@ def _scheduler_factory(schedule, steps, warmup, cos_min_ratio):
 class _Pipeline:
     """Every stage in one process; :meth:`execute` runs ticks in the order the engine's processes would."""
 
-    def __init__(self, stages_, micro_batches, mode, train_iter):
+    def __init__(self, stages_, micro_batches, mode, train_iter, device=None, autocast=None):
         self.stages = stages_
         self.micro_batches = micro_batches
         self.mode = mode
         self.train_iter = train_iter
+        self.device = device
+        self.autocast = autocast
         self.batches, self.outputs, self.inputs, self.grads = {}, {}, {}, {}
         self.total_loss, self.completed = None, 0
 
@@ -254,7 +256,8 @@ class _Pipeline:
         x = self.batches[m][0] if s == 0 else self.outputs[(s - 1, m)].detach().requires_grad_(True)
         if s > 0:
             self.inputs[(s, m)] = x
-        out = self.stages[s].part(x)
+        with _autocast(self.device, self.autocast):
+            out = self.stages[s].part(x)
         if s < P - 1:
             return out
         loss = lm_loss(out, self.batches[m][1])
@@ -280,7 +283,8 @@ class _Pipeline:
                 for cmd in ticks[s][t] if t < len(ticks[s]) else []:
                     m = getattr(cmd, "micro_batch_id", None)
                     if isinstance(cmd, ds.LoadMicroBatch) and s == 0:
-                        self.batches[m] = next(self.train_iter)
+                        x, y = next(self.train_iter)
+                        self.batches[m] = (x, y) if self.device is None else (x.to(self.device), y.to(self.device))
                     elif isinstance(cmd, ds.ForwardPass):
                         if self.mode == "lookahead" and cmd.crosses_step and stage.predicts:
                             with stage.predicted(cmd.window_fill):
@@ -307,25 +311,36 @@ class _Pipeline:
         self.execute([st.stream.drain() for st in self.stages])
 
 
-def validation_loss(model, val_batches, micro_batches) -> float:
+def _autocast(device, dtype):
+    """``torch.autocast`` on ``device`` in ``dtype`` (e.g. bf16 on a GPU), or nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device or "cpu").type, dtype=dtype)
+
+
+def validation_loss(model, val_batches, micro_batches, device=None, autocast=None) -> float:
     """Validation loss as the benchmark measures it on the engine: ``eval_batch`` over ``micro_batches`` at a time
     (DeepSpeed sums the micro-batches' losses and divides by their count), then the mean over the calls."""
     n = micro_batches if len(val_batches) % micro_batches == 0 else len(val_batches)
+    move = (lambda t: t) if device is None else (lambda t: t.to(device))
     calls = []
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(device, autocast):
         for i in range(0, len(val_batches), n):
-            calls.append(float(sum(lm_loss(model(x), y) for x, y in val_batches[i:i + n]) / n))
+            calls.append(float(sum(lm_loss(model(move(x)), move(y)) for x, y in val_batches[i:i + n]) / n))
     return sum(calls) / len(calls)
 
 
 def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="lookahead", window=None, lr=1e-3,
            betas=(0.9, 0.95), weight_decay=0.0, schedule="constant", warmup=20, cos_min_ratio=0.1, eval_every=100,
-           restore="recompute", echo=None, optimizer="adamw", evaluation=None, lr_scales=None) -> ReplayResult:
+           restore="recompute", echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
+           autocast=None) -> ReplayResult:
     """Train ``model`` (an ``nn.Sequential`` of GPT-2 layers) on PACI streams; returns a :class:`ReplayResult`.
 
     ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`.
     ``evaluation``: an :class:`Evaluation` (default: every ``eval_every`` steps, draining first, as the
     engine). ``lr_scales``: per-stage factors on ``lr`` (default 1). ``optimizer``: ``adamw`` or ``muon``.
+    ``device``: where ``model`` lives (batches are moved there); ``autocast``: a dtype to run forwards in
+    (``torch.autocast``, e.g. ``torch.bfloat16`` on a GPU; fp32 master weights and optimizer state).
     Validation loss: :func:`validation_loss` over ``val_batches``.
     """
     if mode not in MODES:
@@ -336,10 +351,11 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     scheduler = _scheduler_factory(schedule, steps, warmup, cos_min_ratio)
     parts = [torch.nn.Sequential(*list(model)[lo:hi]) for lo, hi in stage_slices(model, stages)]
     pipe = _Pipeline([_Stage(part, stages, s, windows[s], optimizer, lr * scales[s], betas, weight_decay, restore,
-                             scheduler) for s, part in enumerate(parts)], micro_batches, mode, train_iter)
+                             scheduler) for s, part in enumerate(parts)], micro_batches, mode, train_iter, device,
+                     autocast)
 
     def evaluate():
-        return validation_loss(model, val_batches, micro_batches)
+        return validation_loss(model, val_batches, micro_batches, device, autocast)
 
     curve, call_losses = [(0, evaluate())], []
     began = time.time()

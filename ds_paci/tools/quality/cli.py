@@ -1,7 +1,9 @@
 """``python -m ds_paci.tools.quality --part sweep|report --out docs/results/quality``.
 
 ``sweep`` runs (or resumes) the depth x batch sweep of :mod:`ds_paci.tools.quality.grid` on the replay,
-appending one JSON line per finished run to ``<out>/runs.jsonl``; ``report`` writes the tables.
+appending one JSON line per finished run to ``<out>/runs.jsonl``; ``report`` writes the tables;
+``time-to-final`` runs the PACI engines of the benchmark's P = 4 and P = 8 curve study past stock's step count
+(:mod:`ds_paci.tools.quality.time_to_final`); ``larger`` the 8 x 256 model (:mod:`ds_paci.tools.quality.larger`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_paci.tools.quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["sweep", "report"], required=True)
+    p.add_argument("--part", choices=["sweep", "report", "time-to-final", "larger"], required=True)
     p.add_argument("--out", default="docs/results/quality")
     p.add_argument("--workers", type=int, default=2, help="replay processes at once")
     p.add_argument("--depths", type=int, nargs="*", help="only these P (default: all of grid.DEPTHS)")
@@ -21,6 +23,16 @@ def main(argv=None) -> int:
         from .sweep import run_sweep
         run_sweep(args.out, workers=args.workers, depths=tuple(args.depths) if args.depths else None,
                   echo=lambda line: print(line, flush=True))
+        return 0
+    if args.part == "larger":
+        from . import larger
+        larger.run_all(args.out, echo=lambda line: print(line, flush=True))
+        print(larger.write_report(args.out))
+        return 0
+    if args.part == "time-to-final":
+        from . import time_to_final
+        time_to_final.run_all(args.out, echo=lambda line: print(line, flush=True))
+        print(time_to_final.write_report(args.out))
         return 0
     from .report import write_report
     print(write_report(args.out))

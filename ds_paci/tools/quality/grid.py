@@ -12,7 +12,7 @@ The grid (:func:`sweep_plan`), per depth ``P`` in :data:`DEPTHS`:
 * phase 2, once phase 1 of ``P`` is done, for ``M`` in ``{P/2, P, 2P}`` and the two learning rates
   ``best`` and ``best / 3`` (``best``: the lowest final loss of phase 1): stock, plain PACI and PACI +
   look-ahead with the ``"auto"`` window on both seeds, and PACI + look-ahead with every window of
-  :data:`FIXED_RULES` on the first seed. :data:`COVERAGE` says how many seeds and learning rates each
+  :data:`ALL_RULES` on the first seed. :data:`COVERAGE` says how many seeds and learning rates each
   depth runs (all of them at P = 4 and 8; the first seed at the best learning rate at P = 16 and 32).
 
 Every run of a depth trains :data:`STEPS` ``[P]`` ``train_batch`` calls (``M`` micro-batches each) of
@@ -23,6 +23,7 @@ their final loss is read), for the time to stock's final loss.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -65,13 +66,21 @@ def _uniform(fn):
     return lambda P, M: [fn(P, M)] * P
 
 
+#: The issue's fixed windows: "best fixed a" of a cell is the best of these.
 FIXED_RULES = {
     "a=M": _uniform(lambda P, M: M),
     "a=P-1": _uniform(lambda P, M: P - 1),
     "a=max(M,P-1)": _uniform(lambda P, M: max(M, P - 1)),
     "a=2max(M,P-1)": _uniform(lambda P, M: 2 * max(M, P - 1)),
-    "a_s=max(M,P-1-s)": lambda P, M: [max(M, P - 1 - s, 1) for s in range(P)],
 }
+#: Per-stage rules (a_s at stage s) run next to them: the smallest window with drift <= 1 at each stage, floored
+#: at M; the same floored at min(M, P-1) only; and the rule "auto" is now (ds_paci.core.config.auto_window).
+CANDIDATE_RULES = {
+    "a_s=max(M,P-1-s)": lambda P, M: [max(M, P - 1 - s, 1) for s in range(P)],
+    "a_s=max(min(M,P-1),P-1-s)": lambda P, M: [max(min(M, P - 1), P - 1 - s, 1) for s in range(P)],
+    "a_s=max(min(M,P-1),P-1-s,M/2)": lambda P, M: [max(min(M, P - 1), P - 1 - s, -(-M // 2), 1) for s in range(P)],
+}
+ALL_RULES = {**FIXED_RULES, **CANDIDATE_RULES}
 
 
 #: Plain PACI's window in the sweep (the "auto" of the issue: fixed, so that a new "auto" does not re-plan it).
@@ -80,14 +89,14 @@ PACI_RULE = "a=max(M,P-1)"
 
 def auto_windows(stages: int, micro_batches: int) -> list:
     """The engine's ``"accumulation_window": "auto"`` at every stage (:func:`ds_paci.core.config.auto_window`)."""
-    return [auto_window(stages, micro_batches) for _ in range(stages)]
+    return [auto_window(stages, micro_batches, stage) for stage in range(stages)]
 
 
 def rule_windows(rule: str, stages: int, micro_batches: int) -> list:
-    """Per-stage windows of a named rule: ``"auto"`` or a key of :data:`FIXED_RULES`."""
+    """Per-stage windows of a named rule: ``"auto"`` or a key of :data:`ALL_RULES`."""
     if rule == "auto":
         return auto_windows(stages, micro_batches)
-    return FIXED_RULES[rule](stages, micro_batches)
+    return ALL_RULES[rule](stages, micro_batches)
 
 
 def window_label(windows) -> str:
@@ -164,7 +173,7 @@ def cell_runs(stages: int, micro_batches: int, lr: float, optimizer: str = "adam
         runs.append(make_run(stages, micro_batches, "paci", paci, lr, pair, overrun=overrun, optimizer=optimizer))
         runs.append(make_run(stages, micro_batches, "lookahead", auto, lr, pair, overrun=overrun, optimizer=optimizer))
     seen = {tuple(auto)}
-    for rule in FIXED_RULES:
+    for rule in ALL_RULES:
         windows = tuple(rule_windows(rule, stages, micro_batches))
         if windows not in seen:
             seen.add(windows)
@@ -190,8 +199,14 @@ def sweep_plan(results: dict, depths=DEPTHS, coverage=None) -> list:
                     plan.append((tier, stages, run))
     unique = {}
     for tier, stages, run in sorted(plan, key=lambda x: (x[0], x[1])):
-        unique.setdefault(run.key(), run)
+        if _trained_longer(run).key() not in results:  # the same run trained past the common steps counts too
+            unique.setdefault(run.key(), run)
     return list(unique.values())
+
+
+def _trained_longer(run: SweepRun) -> SweepRun:
+    steps = int(math.ceil(OVERRUN * run.common_steps)) if run.steps == run.common_steps else run.common_steps
+    return dataclasses.replace(run, steps=steps)
 
 
 def run_cost(run: SweepRun) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from .grid import (DEPTHS, FIXED_RULES, PACI_RULE, SEEDS, SWEEP_LRS, cell_lrs, lr_sweep_runs, make_run,
+from .grid import (ALL_RULES, DEPTHS, FIXED_RULES, PACI_RULE, SEEDS, SWEEP_LRS, cell_lrs, lr_sweep_runs, make_run,
                    micro_batch_counts, rule_windows, window_label)
 from .sweep import load_results
 
@@ -46,12 +46,12 @@ def cell_summary(results: dict, stages: int, micro_batches: int, lr: float, rule
     paci, paci_rows = finals("paci", rule_windows(PACI_RULE, stages, micro_batches))
     stock_med = statistics.median(stock) if None not in stock else None
     fixed = {}
-    for name in FIXED_RULES:
+    for name in ALL_RULES:
         windows = rule_windows(name, stages, micro_batches)
         (first, ), _ = finals("lookahead", windows, SEEDS[:1])
         fixed[name] = {"windows": windows, "final": first}
-    present = {n: f for n, f in fixed.items() if f["final"] is not None}
-    best = min(present, key=lambda n: present[n]["final"]) if len(present) == len(fixed) else None
+    present = {n: fixed[n] for n in FIXED_RULES if fixed[n]["final"] is not None}
+    best = min(present, key=lambda n: present[n]["final"]) if len(present) == len(FIXED_RULES) else None
     out = {"stages": stages, "micro_batches": micro_batches, "lr": lr, "stock": stock, "stock_median": stock_med,
            "paci": paci, "paci_vs_stock": _rel(statistics.median(paci), stock_med) if None not in paci else None,
            "fixed": fixed, "best_fixed": best, "rules": {}, "rows": {"stock": stock_rows, "paci": paci_rows}}
@@ -84,9 +84,9 @@ def _fmt(vals):
 
 def cells_table(summaries: list) -> str:
     """Every cell: stock, plain PACI, PACI + look-ahead per window (first seed), best fixed window."""
-    names = list(FIXED_RULES)
+    names = list(ALL_RULES)
     head = ("| P | M | lr | stock (seeds) | PACI a=max(M,P-1) vs stock | " + " | ".join(f"look-ahead {n}" for n in names)
-            + " | best fixed |")
+            + " | best fixed (of the first four) |")
     lines = [head, "|---|---|---|---|---|" + "---|" * len(names) + "---|"]
     for c in summaries:
         ref = c["stock"][0]
@@ -166,7 +166,7 @@ def all_cells(results: dict, rules=("auto", )) -> list:
     return out
 
 
-def write_report(out: str, rules=("auto", )) -> str:
+def write_report(out: str, rules=("auto", "a=max(M,P-1)")) -> str:
     """``<out>/sweep.md`` from ``<out>/runs.jsonl``; returns the markdown."""
     results = load_results(os.path.join(out, "runs.jsonl"))
     cells = all_cells(results, rules)
