@@ -7,6 +7,7 @@ killed sweep loses at most the runs in progress); a restart skips every key alre
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -50,8 +51,7 @@ def execute(run: SweepRun, model=MODEL) -> dict:
     errors = [e for e in errors if e is not None]
     return {**run.as_dict(), "curve": result.curve, "final": final, "local_steps": result.local_steps,
             "prediction_error": errors, "seconds": round(result.seconds, 1),
-            "loadavg": [round(x, 2) for x in os.getloadavg()], "model": vars(model) if hasattr(model, "__dict__")
-            else None}
+            "loadavg": [round(x, 2) for x in os.getloadavg()], "model": dataclasses.asdict(model)}
 
 
 def load_results(path: str) -> dict:
@@ -74,7 +74,7 @@ def _append(path: str, row: dict) -> None:
         os.fsync(f.fileno())
 
 
-def run_sweep(out: str, workers: int = 2, depths=None, plan_fn=None, echo=print) -> dict:
+def run_sweep(out: str, workers: int = 2, depths=None, plan_fn=None, echo=print, model=MODEL) -> dict:
     """Run every pending run of the plan on ``workers`` processes, re-planning as runs finish (phase 2 of a
     depth starts once its learning-rate sweep is in). Returns all results."""
     os.makedirs(out, exist_ok=True)
@@ -89,7 +89,7 @@ def run_sweep(out: str, workers: int = 2, depths=None, plan_fn=None, echo=print)
             pending = [r for r in plan_fn(results) if r.key() not in results and r.key() not in running]
             while pending and len(running) < workers:
                 run = pending.pop(0)
-                running[run.key()] = (pool.submit(execute, run), time.time())
+                running[run.key()] = (pool.submit(execute, run, model), time.time())
             if not running:
                 break
             done, _ = cf.wait([f for f, _ in running.values()], return_when=cf.FIRST_COMPLETED)

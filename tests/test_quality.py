@@ -1,0 +1,78 @@
+"""The depth x batch sweep: its grid, its resumable runner and its report (ds_paci.tools.quality)."""
+
+import dataclasses
+import json
+
+from ds_paci.core.schedule import drift_bound
+from ds_paci.tools.quality import grid, report, sweep
+
+
+def _fake_results(finals):
+    """Phase-1 results of every depth with lr 3e-3 best, plus ``finals`` {key: final}."""
+    out = {}
+    for stages in grid.DEPTHS:
+        for run in grid.lr_sweep_runs(stages):
+            out[run.key()] = {**run.as_dict(), "final": 2.0 if run.lr == 3e-3 else 2.5, "curve": []}
+    for key, final in finals.items():
+        out[key] = {"key": key, "final": final, "curve": []}
+    return out
+
+
+def test_plan_runs_phase_one_first_then_every_cell_with_every_window():
+    assert all(r.engine == "stock" and r.micro_batches == r.stages for r in grid.sweep_plan({}))
+    plan = grid.sweep_plan(_fake_results({}))
+    keys = [r.key() for r in plan]
+    assert len(keys) == len(set(keys))
+    cell = [r for r in plan if (r.stages, r.micro_batches, r.lr) == (8, 4, 3e-3)]
+    windows = {r.windows for r in cell if r.engine == "lookahead"}
+    for rule in list(grid.ALL_RULES) + ["auto"]:
+        assert tuple(grid.rule_windows(rule, 8, 4)) in windows
+    assert {r.seed for r in cell if r.engine in ("stock", "paci")} == {1234, 4321}  # P = 8: both seeds
+    auto = [r for r in cell if r.engine == "lookahead" and list(r.windows) == grid.auto_windows(8, 4)]
+    assert {r.steps for r in auto} == {int(1.5 * grid.STEPS[8])} and len(auto) == 2  # past stock's steps
+    assert {r.lr for r in plan if r.stages == 8} == {3e-3, 1e-3, 9e-3}  # best and best/3 (and the sweep's)
+    assert {r.seed for r in plan if r.stages == 32} == {1234}  # COVERAGE: the first seed only at P = 32
+    first_tier = [r for r in plan if r.seed == 1234 and r.lr == 3e-3]
+    assert keys.index(first_tier[-1].key()) < keys.index(next(r.key() for r in plan if r.seed == 4321))
+    for stages in grid.DEPTHS:  # the auto rule keeps drift <= 1 everywhere
+        for M in grid.micro_batch_counts(stages):
+            assert all(drift_bound(stages, s, a) <= 1 for s, a in enumerate(grid.auto_windows(stages, M)))
+
+
+def test_report_names_the_best_fixed_window_and_whether_the_rule_holds():
+    P, M, lr = 4, 2, 3e-3
+    finals = {}
+    for i, pair in enumerate(grid.SEEDS):
+        finals[grid.make_run(P, M, "stock", None, lr, pair).key()] = 2.60 + 0.01 * i
+        finals[grid.make_run(P, M, "paci", grid.rule_windows(grid.PACI_RULE, P, M), lr, pair, True).key()] = 2.9
+        finals[grid.make_run(P, M, "lookahead", grid.auto_windows(P, M), lr, pair, True).key()] = 2.62 + 0.01 * i
+    values = {"a=M": 2.61, "a=P-1": 2.70, "a=2max(M,P-1)": 2.80}
+    for name, value in values.items():
+        run = grid.make_run(P, M, "lookahead", grid.rule_windows(name, P, M), lr, grid.SEEDS[0])
+        finals.setdefault(run.key(), value)
+    c = report.cell_summary(_fake_results(finals), P, M, lr)
+    assert c["best_fixed"] == "a=M" and c["stock_median"] == 2.605
+    auto = c["rules"]["auto"]
+    assert abs(auto["vs_best_fixed"] - (2.62 - 2.61) / 2.61) < 1e-12 and auto["holds"]  # 0.38% and +0.77%
+    table = report.rule_table([c], "auto")
+    assert "| 4 | 2 | 0.003 | 3,2,2,2 | 2.6200, 2.6300 | +0.77% | +0.38% | yes |" in table
+    assert report.steps_to([(0, 3.0), (10, 2.0), (20, 1.0)], 1.5) == 15.0 and report.steps_to([(0, 3.0)], 1) is None
+
+
+def test_sweep_runs_resume_from_their_json_lines(tmp_path):
+    tiny = dataclasses.replace(grid.make_run(4, 2, "lookahead", grid.auto_windows(4, 2), 3e-3, grid.SEEDS[0]),
+                               steps=6, common_steps=4)
+    stock = dataclasses.replace(grid.make_run(4, 2, "stock", None, 3e-3, grid.SEEDS[0]), steps=4, common_steps=4)
+    small = dataclasses.replace(grid.MODEL, n_embd=16, n_head=2, seq_len=16, val_micro_batches=4)
+    plan = lambda results: [stock, tiny]  # noqa: E731
+    lines = []
+    sweep.run_sweep(str(tmp_path), workers=1, plan_fn=plan, echo=lines.append, model=small)
+    rows = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["key"] for r in rows] == [stock.key(), tiny.key()] and len(lines) == 2
+    la = rows[1]
+    # a = 3,2,2,2 over 12 micro-batches with a drain at step 4 (8 micro-batches): stage 0 steps 2 + the partial
+    # window, then 1 + the partial window at the end
+    assert la["local_steps"] == [5, 6, 6, 6] and la["curve"][-1][0] == 6
+    assert la["final"] == dict((s, v) for s, v in la["curve"])[4]  # read at the common step count
+    sweep.run_sweep(str(tmp_path), workers=1, plan_fn=plan, echo=lines.append, model=small)  # nothing left
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 2 and len(lines) == 2
