@@ -1,14 +1,17 @@
 """Per-rank bodies of the look-ahead engine tests (run through ``harness.run_world``): real engines over gloo."""
 
 import glob
+import logging
 import os
 
 import torch
+from deepspeed.pipe import LayerSpec, PipelineModule
+from deepspeed.utils import logger as ds_logger
 
 import ds_paci
 from ds_paci.core.schedule import PACIStream
 from deepspeed.runtime.pipe import schedule as ds
-from mlp import TanhLayer, mlp_pipeline, regression_batches
+from mlp import DIM, TanhLayer, layer_weights, mlp_pipeline, mse, regression_batches
 from workers import MICRO, ds_config
 
 
@@ -149,37 +152,122 @@ def views(rank, stages, gas, calls, restore, save_dir):
 
 
 # -- the predictor, given the complete window, equals the optimizer's step: every optimizer and precision -------
+ADAMW = {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1}
 OPTIMIZER_CASES = {
     "torch.optim.Adam (L2 decay)": dict(client="adam"),
     "torch.optim.AdamW": dict(client="adamw"),
-    "DeepSpeed AdamW (torch_adam)": dict(configured={"torch_adam": True}),
-    "DeepSpeed AdamW (FusedAdam)": dict(configured={}),
-    "DeepSpeed Adam, L2 decay (FusedAdam)": dict(configured={"adam_w_mode": False}, type="Adam"),
-    "bf16 BF16_Optimizer": dict(configured={"torch_adam": True}, bf16=True),
-    "bf16 ZeRO-1": dict(configured={"torch_adam": True}, bf16=True, zero=1),
-    "ZeRO-1 fp32": dict(configured={"torch_adam": True}, zero=1),
+    "DeepSpeed AdamW (torch_adam)": dict(configured={**ADAMW, "torch_adam": True}),
+    "DeepSpeed AdamW (FusedAdam)": dict(configured=ADAMW),
+    "DeepSpeed Adam, L2 decay (FusedAdam)": dict(configured={**ADAMW, "adam_w_mode": False}, type="Adam"),
+    "bf16 BF16_Optimizer": dict(configured={**ADAMW, "torch_adam": True}, bf16=True),
+    "bf16 ZeRO-1": dict(configured={**ADAMW, "torch_adam": True}, bf16=True, zero=1),
+    "ZeRO-1 fp32": dict(configured={**ADAMW, "torch_adam": True}, zero=1),
+    # gradient clipping active at every step (the stage's norm is far above 0.05): the clipped step is predicted
+    "torch.optim.AdamW, clipping": dict(client="adamw", clip=0.05),
+    "bf16 BF16_Optimizer, clipping": dict(configured={**ADAMW, "torch_adam": True}, bf16=True, clip=0.05),
+    "ZeRO-1 fp32, clipping": dict(configured={**ADAMW, "torch_adam": True}, zero=1, clip=0.05),
+    "bf16 ZeRO-1, clipping": dict(configured={**ADAMW, "torch_adam": True}, bf16=True, zero=1, clip=0.05),
+    # parameters without a gradient in the window after the first call: DeepSpeed's reduce gives them zeros
+    "torch.optim.AdamW, a branch without gradient": dict(client="adamw", branch=True),
+    "torch.optim.SGD, Nesterov": dict(client="sgd"),
+    "DeepSpeed SGD (momentum, dampening, decay), clipping": dict(
+        configured={"lr": 5e-2, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, type="SGD", clip=0.05),
+    "bf16 SGD (momentum)": dict(configured={"lr": 5e-2, "momentum": 0.9}, type="SGD", bf16=True),
+    "torch.optim.Muon (a bias-free model)": dict(client="muon"),
+    "DeepSpeed Muon (MuonWithAuxAdam, FusedAdam part)": dict(
+        configured={"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01, "betas": [0.9, 0.95]}, type="Muon"),
+    # not predicted: a subclass with its own step (one log line)
+    "torch.optim.Adam subclass with its own step": dict(client="adam_subclass", predicted=False),
 }
 
 
+class OwnStepAdam(torch.optim.Adam):
+    """An Adam subclass whose step differs (it halves the gradient first): the look-ahead must not predict it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        return super().step(closure)
+
+
+class BranchLayer(TanhLayer):
+    """A TanhLayer with a second linear map used only while ``BranchLayer.on`` (a conditional branch, an idle expert)."""
+
+    on = True
+
+    def __init__(self, index, seed, dim=DIM):
+        super().__init__(index, seed, dim)
+        self.branch = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y + 0.5 * torch.tanh(self.branch(y)) if BranchLayer.on else y
+
+
+class MatrixLayer(torch.nn.Module):
+    """``tanh(x @ W^T)``: only 2-D parameters (torch.optim.Muon refuses others)."""
+
+    def __init__(self, index, seed, dim=DIM):
+        super().__init__()
+        self.weight = torch.nn.Parameter(layer_weights(index, seed, dim)[0])
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.T)
+
+
+def _model_for(case, stages):
+    layer = MatrixLayer if case.get("client") == "muon" else BranchLayer if case.get("branch") else None
+    if layer is None:
+        return mlp_pipeline(stages, layers=2 * stages)
+    BranchLayer.on = True
+    return PipelineModule(layers=[LayerSpec(layer, i, 7) for i in range(2 * stages)], num_stages=stages, loss_fn=mse,
+                          partition_method="uniform")
+
+
+def _client_optimizer(kind, params):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=0.05)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+    if kind == "muon":
+        return torch.optim.Muon(params, lr=2e-2, momentum=0.9, weight_decay=0.01)
+    return OwnStepAdam(params, lr=1e-2)
+
+
 def _engine_for(case, stages, gas):
-    model = mlp_pipeline(stages, layers=2 * stages)
-    extra = {"zero_optimization": {"stage": case.get("zero", 0)}}
+    model = _model_for(case, stages)
+    extra = {"zero_optimization": {"stage": case.get("zero", 0)}, "gradient_clipping": case.get("clip", 0.0)}
+    if case.get("zero") and case.get("type") == "SGD":
+        extra["zero_allow_untested_optimizer"] = True
     paci = {"enabled": True}
     if "client" in case:
-        params = model.parameters()
-        opt = (torch.optim.Adam(params, lr=1e-2, weight_decay=0.05) if case["client"] == "adam" else
-               torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1))
+        opt = _client_optimizer(case["client"], list(model.parameters()))
         cfg = ds_config(gas, paci, bf16=case.get("bf16", False), optimizer=False, **extra)
         engine, *_ = ds_paci.initialize(model=model, optimizer=opt, config=cfg)
     else:
-        cfg = ds_config(gas, paci, bf16=case.get("bf16", False), **extra)
-        cfg["optimizer"] = {"type": case.get("type", "AdamW"),
-                            "params": {"lr": 1e-2, "betas": [0.9, 0.95], "weight_decay": 0.1, **case["configured"]}}
+        cfg = ds_config(gas, paci, bf16=case.get("bf16", False), optimizer=False, **extra)
+        cfg["optimizer"] = {"type": case.get("type", "AdamW"), "params": case["configured"]}
         # the predictor must use the learning rate the scheduler sets for the next step
-        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 2e-3, "warmup_max_lr": 1e-2,
+        lr = case["configured"]["lr"]
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": lr / 5, "warmup_max_lr": lr,
                                                            "warmup_num_steps": 3}}
         engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     return engine
+
+
+class _Lines(logging.Handler):
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 def predictor_matches_step(rank, stages, gas, calls, names):
@@ -190,53 +278,183 @@ def predictor_matches_step(rank, stages, gas, calls, names):
     out = {}
     for name in names:
         case = OPTIMIZER_CASES[name]
-        engine = _engine_for(case, stages, gas)
+        lines = _Lines()
+        ds_logger.addHandler(lines)
+        try:
+            engine = _engine_for(case, stages, gas)
+        finally:
+            ds_logger.removeHandler(lines)
         la = engine._lookahead
         row = {"wrapper": type(engine.optimizer).__name__, "inner": type(getattr(engine.optimizer, "optimizer",
                                                                                   engine.optimizer)).__name__,
-               "lookahead": la is not None, "diffs": [], "moved": [], "restored": [], "changed": []}
+               "lookahead": la is not None, "diffs": [], "moved": [], "restored": [], "changed": [], "norms": [],
+               "log": [x for x in lines.lines if "look-ahead off" in x]}
         out[name] = row
         if la is None:
+            engine.destroy()
             continue
-        lp = [p for p in engine.module.parameters()]
-        window = engine.accumulation_window
-        pending = {}
-
-        def before_step(original=la.before_step):
-            pending["pred"] = la.predict_next(window, window)
-            pending["before"] = [m.detach().clone() for m in la.masters()]
-            original()
-
-        def after_step(original=la.after_step):
-            original()
-            masters = la.masters()
-            row["diffs"].append(max((p - m).abs().max().item() for p, m in zip(pending["pred"], masters)))
-            row["moved"].append(max((b - m).abs().max().item() for b, m in zip(pending["before"], masters)))
-
-        original_applied = la.applied
-
-        class Applied:
-
-            def __init__(self, n, a):
-                self.inner = original_applied(n, a)
-
-            def __enter__(self):
-                self.real = [p.detach().clone() for p in lp]
-                self.inner.__enter__()
-                row["changed"].append(max((p.detach() - r).abs().max().item() for p, r in zip(lp, self.real)))
-
-            def __exit__(self, *exc):
-                result = self.inner.__exit__(*exc)
-                row["restored"].append(max((p.detach() - r).abs().max().item() for p, r in zip(lp, self.real)))
-                return result
-
-        la.before_step, la.after_step, la.applied = before_step, after_step, Applied
+        _record_steps(engine, la, row)
         gen = regression_batches(MICRO)
         if case.get("bf16"):
             gen = ((x.bfloat16(), y.bfloat16()) for x, y in gen)
-        for _ in range(calls):
+        for call in range(calls):
             engine.train_batch(gen)
+            BranchLayer.on = False  # after the first call the branch gets no gradient
+            row["norms"].append(engine.get_global_grad_norm())
         engine.drain()
         row["stats"] = engine.paci_stats()["lookahead"]
         engine.destroy()
+    return out
+
+
+def _record_steps(engine, la, row):
+    """Wrap the look-ahead's hooks: the n = a prediction before each step vs the step; weights around each forward."""
+    lp = [p for p in engine.module.parameters()]
+    window = engine.accumulation_window
+    pending = {}
+
+    def before_step(original=la.before_step):
+        pending["pred"] = la.predict_next(window, window)
+        pending["before"] = [m.detach().clone() for m in la.masters()]
+        original()
+
+    def after_step(original=la.after_step):
+        original()
+        masters = la.masters()
+        row["diffs"].append(max((p - m).abs().max().item() for p, m in zip(pending["pred"], masters)))
+        row["moved"].append(min((b - m).abs().max().item() for b, m in zip(pending["before"], masters)))
+
+    original_applied = la.applied
+
+    class Applied:
+
+        def __init__(self, n, a):
+            self.inner = original_applied(n, a)
+
+        def __enter__(self):
+            self.real = [p.detach().clone() for p in lp]
+            self.inner.__enter__()
+            row["changed"].append(max((p.detach() - r).abs().max().item() for p, r in zip(lp, self.real)))
+
+        def __exit__(self, *exc):
+            result = self.inner.__exit__(*exc)
+            row["restored"].append(max((p.detach() - r).abs().max().item() for p, r in zip(lp, self.real)))
+            return result
+
+    la.before_step, la.after_step, la.applied = before_step, after_step, Applied
+
+
+# -- data-parallel replicas stay bit-identical --------------------------------------------------------------
+def replicas(rank, stages, gas, calls, restore):
+    """P stages x DP replicas, torch.optim AdamW, look-ahead on: every rank's weights and optimizer state after
+    ``calls`` calls (and after a drain), for the test to compare replicas of one stage bit for bit."""
+    model = mlp_pipeline(stages, layers=2 * stages, dim=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.1)
+    cfg = ds_config(gas, {"enabled": True, "lookahead_restore": restore}, optimizer=False)
+    engine, *_ = ds_paci.initialize(model=model, optimizer=opt, config=cfg)
+    data = regression_batches(MICRO, seed=3 + engine.grid.data_parallel_id, dim=16)  # each replica its own data
+    snapshots = []
+    for _ in range(calls):
+        engine.train_batch(data)
+        snapshots.append(_snapshot(engine))
+    engine.drain()
+    state = [t.detach().clone() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id, "snapshots": snapshots,
+            "final": _snapshot(engine), "state": state, "stats": engine.paci_stats()["lookahead"]}
+
+
+# -- failures at every point of a predicted forward ---------------------------------------------------------
+class _RaiseOnce:
+    """Replace ``torch.<name>`` by a version that raises on its ``nth`` call while installed."""
+
+    def __init__(self, name, nth):
+        self.name, self.nth, self.calls, self.fired = name, nth, 0, False
+        self.original = getattr(torch, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.nth and not self.fired:
+            self.fired = True
+            raise RuntimeError(f"injected failure in torch.{self.name} (call {self.nth})")
+        return self.original(*args, **kwargs)
+
+    def __enter__(self):
+        setattr(torch, self.name, self)
+
+    def __exit__(self, *exc):
+        setattr(torch, self.name, self.original)
+
+
+INJECTION_POINTS = ("prediction of param group 0", "prediction of param group 1", "forward", "restore")
+
+
+def failures(rank, stages, gas, points):
+    """:func:`failure_at` for each point, each on a fresh engine; returns ``{point: result}``."""
+    return {point: failure_at(stages, gas, point) for point in points}
+
+
+def failure_at(stages, gas, point):
+    """Stage 0 (torch.optim AdamW, two param groups, default restore) fails at ``point`` of its next crossing
+    forward, the last stage inside its next backward in the same call (neither then waits for the other).
+
+    The prediction fails as an out-of-memory in the foreach temporaries would: the k-th ``torch._foreach_sqrt_``
+    (Adam's denominators: one call per batch, one batch per param group here) raises; the restore's first copy
+    raises. Returns the weights just before that forward and after the exception, and the engine's error."""
+    model = mlp_pipeline(stages, layers=2 * stages)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    opt = torch.optim.AdamW([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=2e-2,
+                            weight_decay=0.1)
+    engine, *_ = ds_paci.initialize(model=model, optimizer=opt, config=ds_config(gas, {"enabled": True},
+                                                                                 optimizer=False))
+    la = engine._lookahead
+    state = {"armed": False}
+    seen = {}
+    original_applied = la.applied
+
+    class Armed:
+
+        def __init__(self, n, a):
+            self.inner = original_applied(n, a)
+
+        def __enter__(self):
+            if not state["armed"]:
+                return self.inner.__enter__()
+            seen["before"] = _snapshot(engine)
+            if point.startswith("prediction"):
+                with _RaiseOnce("_foreach_sqrt_", int(point[-1]) + 1):
+                    return self.inner.__enter__()
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            if state["armed"] and point == "restore":
+                with _RaiseOnce("_foreach_copy_", 1):
+                    return self.inner.__exit__(*exc)
+            return self.inner.__exit__(*exc)
+
+    la.applied = Armed
+
+    def on_forward(module, inputs):
+        if state["armed"] and point == "forward" and la.active:
+            raise RuntimeError("injected failure inside a crossing forward")
+
+    def on_backward(module, grad_output):
+        if state["armed"] and engine.is_last_stage():
+            raise RuntimeError("injected failure inside a backward")
+
+    for layer in _layers(engine):
+        layer.register_forward_pre_hook(on_forward)
+        layer.register_full_backward_pre_hook(on_backward)
+    data = regression_batches(MICRO)
+    for _ in range(2):
+        engine.train_batch(data)
+    state["armed"] = True
+    error = None
+    try:
+        engine.train_batch(data)
+    except ds_paci.PACIStreamError as e:
+        error = str(e)
+    out = {"stage": engine.stage_id, "error": error, "before": seen.get("before"), "after": _snapshot(engine),
+           "active": la.active, "restore": la.stats()["restore"]}
+    engine.destroy()
     return out

@@ -20,7 +20,7 @@ def test_defaults_and_valid_section():
     assert cfg.check_tied_copies and not PACIConfig().check_tied_copies
     assert cfg.window(4) == 8 and PACIConfig(enabled=True).window(4) == 4
     # the look-ahead is on by default and can be switched off; the restore mode is validated
-    assert PACIConfig().lookahead and PACIConfig().lookahead_restore == "recompute"
+    assert PACIConfig().lookahead and PACIConfig().lookahead_restore == "copy"
     off = parse_paci_section({"enabled": True, "lookahead": False, "lookahead_restore": "copy"})
     assert not off.lookahead and off.lookahead_restore == "copy"
 
@@ -57,7 +57,7 @@ def test_auto_window_keeps_drift_at_most_one_on_every_stage_within_its_floors():
     ({"enabled": True, "max_consecutive_skips": 2.5}, "an integer >= 0"),
     ({"enabled": True, "check_tied_copies": 1}, '"paci.check_tied_copies" = 1'),
     ({"enabled": True, "lookahead": "on"}, '"paci.lookahead" = \'on\''),
-    ({"enabled": True, "lookahead_restore": "exact"}, '"recompute" or "copy"'),
+    ({"enabled": True, "lookahead_restore": "exact"}, '"copy" or "recompute"'),
     ({"enabled": True, "accumulation_window": "automatic"}, 'or "auto"'),
     ([1, 2], '"paci" must be an object'),
 ])

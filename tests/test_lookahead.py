@@ -106,31 +106,6 @@ def test_partial_window_and_moments_alone():
     assert torch.allclose(u0, 1e-2 * partial / (partial.abs() + 1e-8), rtol=1e-5)
 
 
-@pytest.mark.parametrize("restore", ["recompute", "copy"])
-def test_weights_are_restored_even_when_the_forward_raises(restore):
-    params = _params(1)
-    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    for p in params:
-        p.grad = torch.randn(p.shape)
-    opt.step()
-    real = [p.clone() for p in params]
-    grads = [torch.randn(p.shape) for p in params]
-    la = _lookahead_for(opt, params, grads, AdamRule.of_torch, restore)
-    predicted = la.predict_next(2, 4)
-    with pytest.raises(RuntimeError, match="inside"):
-        with la.applied(2, 4):
-            assert all(torch.equal(p, q) for p, q in zip(params, predicted)), "the body runs on the prediction"
-            assert la.active
-            raise RuntimeError("inside the forward")
-    assert not la.active
-    diff = max((p - r).abs().max().item() for p, r in zip(params, real))
-    if restore == "copy":
-        assert diff == 0.0
-    else:
-        assert diff <= 1e-6  # recomputing u and undoing it is exact up to rounding
-    assert la.predicted_forwards == 0 and la.seconds > 0
-
-
 def test_prediction_error_telemetry_is_zero_for_a_perfect_prediction_and_one_for_none():
     params = [torch.randn(4096)]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
@@ -149,7 +124,7 @@ def test_prediction_error_telemetry_is_zero_for_a_perfect_prediction_and_one_for
     # a window whose crossing forward predicted nothing (zero update) scores 1.0
     zero = [torch.zeros(4096)]
     la2 = _lookahead_for(opt, params, zero, AdamRule.of_torch, "copy")
-    la2.slots[0].rule_of = lambda o, g: AdamRule(0.0, 0.9, 0.999, 1e-8, 0.0, True)  # lr 0: predicts no move
+    la2.slots[0].reader = lambda o, g: AdamRule(0.0, 0.9, 0.999, 1e-8, 0.0, True)  # lr 0: predicts no move
     with la2.applied(4, 4):
         pass
     la2.before_step()
@@ -236,29 +211,45 @@ def test_crossing_forwards_see_predicted_weights_everything_else_sees_real_weigh
 
 
 def test_predictor_given_the_complete_window_equals_the_next_step_for_every_optimizer_and_precision():
-    """torch.optim Adam/AdamW, DeepSpeed's configured AdamW (torch and FusedAdam) and Adam with L2 decay (FusedAdam)
-    with a warm-up LR schedule, bf16
-    (BF16_Optimizer), ZeRO-1 in fp32 and bf16, on 2 stages with a = M = 2: before every local step the predictor
-    with n = a equals the optimizer's step (<= 1e-6); after every crossing forward the weights are real again."""
+    """Every engine path the look-ahead predicts, on 2 stages with a = M = 2: torch.optim Adam/AdamW/SGD/Muon passed
+    to initialize, DeepSpeed's configured AdamW (torch and FusedAdam), Adam with L2 decay, SGD and Muon
+    (MuonWithAuxAdam with its FusedAdam part) with a warm-up LR schedule, bf16 (BF16_Optimizer), ZeRO-1 in fp32 and
+    bf16, gradient clipping active at every step, and a branch whose parameters get no gradient after the first call
+    (DeepSpeed's reduce gives them zeros; the optimizer moves them by momentum). Before every local step the
+    predictor with n = a equals the optimizer's step (<= 1e-6); after every crossing forward the weights are the
+    real ones bit for bit. An Adam subclass with its own step is not predicted, and one line says so.
+
+    Dynamo is off in the workers (DeepSpeed's Muon compiles its muon_update, about a minute on a cold CPU cache);
+    the predictor calls the very function the optimizer's step calls, compiled or not."""
     import lookahead_workers as lw
     names = list(lw.OPTIMIZER_CASES)
-    results = run_world(lw.predictor_matches_step, 2, 2, 2, 4, names, timeout=400)
+    results = run_world(lw.predictor_matches_step, 2, 2, 2, 4, names, timeout=400, env={"TORCHDYNAMO_DISABLE": "1"})
     expect_wrapper = {"bf16 BF16_Optimizer": "BF16_Optimizer", "bf16 ZeRO-1": "DeepSpeedZeroOptimizer",
                       "ZeRO-1 fp32": "DeepSpeedZeroOptimizer", "DeepSpeed AdamW (FusedAdam)": "FusedAdam",
-                      "DeepSpeed Adam, L2 decay (FusedAdam)": "FusedAdam"}
+                      "DeepSpeed Adam, L2 decay (FusedAdam)": "FusedAdam", "bf16 SGD (momentum)": "BF16_Optimizer",
+                      "DeepSpeed SGD (momentum, dampening, decay), clipping": "SGD",
+                      "torch.optim.Muon (a bias-free model)": "Muon",
+                      "DeepSpeed Muon (MuonWithAuxAdam, FusedAdam part)": "MuonWithAuxAdam"}
     for stage, r in enumerate(results):
         for name in names:
-            row = r[name]
-            assert row["lookahead"], name
+            row, case = r[name], lw.OPTIMIZER_CASES[name]
             assert row["wrapper"] == expect_wrapper.get(name, row["wrapper"]), (name, row["wrapper"])
+            if not case.get("predicted", True):
+                assert not row["lookahead"], name
+                if stage == 0:  # one line, from rank 0, naming the reason and the fallback
+                    assert len(row["log"]) == 1 and "subclass" in row["log"][0] and "plain PACI" in row["log"][0]
+                continue
+            assert row["lookahead"] and not row["log"], name
             assert len(row["diffs"]) == 4, (name, row["diffs"])  # 4 calls (and a drain), a = M: 4 steps
             assert max(row["diffs"]) <= 1e-6, (name, row["diffs"])
-            assert min(row["moved"]) > 1e-4, (name, row["moved"])  # each step really moved the weights
+            assert min(row["moved"]) > 5e-5, (name, row["moved"])  # each step really moved every master
+            if case.get("clip"):  # clipping was active: the stage's norm far above the threshold
+                assert min(n for n in row["norms"] if n is not None) > 2 * case["clip"], (name, row["norms"])
             if stage == 0:
                 # one crossing forward per call after the first; weights really changed, then came back exactly
                 assert len(row["changed"]) == 3 and min(row["changed"]) > 1e-4, (name, row["changed"])
-                exact = "bf16" in name or "ZeRO" in name
-                assert max(row["restored"]) <= (0.0 if exact else 1e-6), (name, row["restored"])
+                assert max(row["restored"]) == 0.0, (name, row["restored"])
                 assert row["stats"]["predicted_forwards"] == 3
+                assert row["stats"]["clipped_forwards"] == (3 if case.get("clip") else 0), name
             else:
                 assert not row["changed"]

@@ -31,14 +31,18 @@ Keys (every one optional except ``enabled``):
     a larger window is refused, not warned about.
 ``lookahead`` (bool, default true)
     Window-informed look-ahead (:mod:`ds_paci.core.lookahead`): a forward that will cross
-    its stage's next local step runs on a prediction of the next weights (Adam/AdamW),
-    which are restored right after it. Other optimizers run without it (one log line).
-``lookahead_restore`` (``"recompute"`` or ``"copy"``, default ``"recompute"``)
-    How fp32 weights stepped by a ``torch.optim``/FusedAdam optimizer get back after a
-    predicted forward: recompute the same update and undo it (no extra memory, exact up
-    to rounding), or keep a copy of the stage's weights during the forward (exact). bf16
-    and ZeRO-1 always restore exactly from their fp32 master weights. A stage that owns
-    tied layers shared with other stages always copies (its copies must stay bit-identical).
+    its stage's next local step runs on a prediction of the next weights (Adam/AdamW, SGD,
+    Muon: :mod:`ds_paci.core.lookahead_rules`; gradient clipping included), which are
+    restored right after it. Other optimizers run plain PACI (one log line says so).
+``lookahead_restore`` (``"copy"`` or ``"recompute"``, default ``"copy"``)
+    How fp32 weights stepped directly by the optimizer get back after a predicted
+    forward: from a copy of the stage's weights held during that forward (exact; one fp32
+    copy of the stage's weights while it runs), or by recomputing the same update and
+    undoing it (no copy, about twice the prediction's time, exact only up to rounding).
+    ``"recompute"`` applies only to a stage without data-parallel replicas that owns no
+    tied layers shared with another stage: elsewhere copies must stay bit-identical and
+    the stage copies (one log line). bf16 and ZeRO-1 always restore exactly from their
+    fp32 master weights.
 ``drain_every_batch`` (bool, default false)
     Sync mode: drain after every ``train_batch``. Reproduces the stock engine exactly.
 ``watchdog_seconds`` (0, or a finite number >= 1; default 300; 0 turns it off)
@@ -96,7 +100,7 @@ class PACIConfig:
     trace_dir: Optional[str] = None
     check_tied_copies: bool = False
     lookahead: bool = True
-    lookahead_restore: str = "recompute"
+    lookahead_restore: str = "copy"
 
     def window(self, gradient_accumulation_steps, stages=1, stage=None):
         """The accumulation window ``a`` of stage ``stage`` for ``M = gradient_accumulation_steps`` on ``stages``
@@ -144,7 +148,7 @@ _KEYS = {
     "trace_dir": "a directory path",
     "check_tied_copies": "true or false",
     "lookahead": "true or false",
-    "lookahead_restore": "\"recompute\" or \"copy\"",
+    "lookahead_restore": "\"copy\" or \"recompute\"",
 }
 
 
@@ -199,7 +203,7 @@ def parse_paci_section(section):
         kw["trace_dir"] = d
     if "lookahead_restore" in section:
         r = section["lookahead_restore"]
-        if r not in ("recompute", "copy"):
+        if r not in ("copy", "recompute"):
             raise bad("lookahead_restore", r)
         kw["lookahead_restore"] = r
     return PACIConfig(**kw)

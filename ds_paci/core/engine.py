@@ -51,9 +51,10 @@ Contract (see also ``docs``/README):
   DeepSpeed builds the optimizer, so building the class directly fails the same way.
 * Look-ahead (``paci.lookahead``, on by default in async mode; :mod:`ds_paci.core.lookahead`):
   the forward of a micro-batch whose backward comes after the stage's next local step (the
-  stream tags it, ``crosses_step``) runs on a prediction of the next weights (Adam/AdamW),
-  which are restored before the next instruction, whatever happens. Every other forward,
-  every backward, eval and checkpoints see the real weights. Sync mode never predicts.
+  stream tags it, ``crosses_step``) runs on a prediction of the next weights (Adam/AdamW, SGD,
+  Muon; clipping included), which are restored before the next instruction, whatever raised.
+  Every other forward, every backward, eval and checkpoints see the real weights. Sync mode
+  never predicts.
 * Telemetry: :meth:`paci_stats` (version, local steps, drift histogram, ``tied``, look-ahead),
   :meth:`paci_trace` / :meth:`write_trace` (per-instruction times when
   ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
@@ -144,10 +145,9 @@ class PACIPipelineEngine(PipelineEngine):
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
                                   explain=self._explain_wait)
         self._tied = TiedWeights.create(self)  # tied layers on several stages (every rank: it creates groups)
-        # A tied owner restores predicted weights by copy: "recompute" is exact only up to rounding, and the
-        # owners' copies must stay bit-identical.
-        restore = "copy" if self._tied is not None and self._tied.exchanges else self.paci.lookahead_restore
-        self._lookahead = make_lookahead(self, self.paci.lookahead and not self._stock_step, restore)
+        # (make_lookahead restores by copy where copies must stay bit-identical: DP replicas, tied owners)
+        self._lookahead = make_lookahead(self, self.paci.lookahead and not self._stock_step,
+                                         self.paci.lookahead_restore)
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(self._config.monitor_config)
@@ -234,8 +234,11 @@ class PACIPipelineEngine(PipelineEngine):
         """Drain, then atomically save an ordinary DeepSpeed checkpoint with the stream position under
         ``client_state['ds_paci']`` (see :mod:`ds_paci.core.checkpoint`).
 
-        Refuses (on every rank, before writing anything) to save non-finite weights.
+        Refuses (on every rank, before writing anything) to save non-finite weights, and (on a rank whose
+        look-ahead could not restore the real weights) weights that are not the real ones.
         """
+        if self._lookahead is not None:
+            self._lookahead.check_restored()
         self.drain()
         assert_finite_weights(self)
         state = dict(client_state or {})

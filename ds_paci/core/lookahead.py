@@ -3,92 +3,80 @@
 Under PACI, the forward of a micro-batch that crosses its stage's next local step runs
 on version ``v`` of the weights while its backward runs through ``v + 1``. Immediately
 before such a forward, :class:`LookAhead` moves the stage's weights to a prediction of
-``v + 1``, the forward runs, and the real weights are restored (in a ``finally``). The
-backward is unchanged: it runs through the real ``v + 1``.
+``v + 1``, the forward runs, and the real weights are restored. The backward is
+unchanged: it runs through the real ``v + 1``.
 
 Public contract
 ---------------
 * :func:`make_lookahead` ``(engine, enabled, restore)`` returns a :class:`LookAhead` for
-  engines whose optimizer is supported, or ``None`` (look-ahead off, or an unsupported
-  optimizer: then one log line, from rank 0, says why).
+  engines whose optimizer is predicted, or ``None`` (look-ahead off, or an optimizer not
+  predicted: then one log line, from rank 0, names the reason and the fallback, plain PACI).
+* :func:`lookahead_for_torch_optimizer` ``(optimizer, aliases, restore, max_norm)``: the same
+  for one ``torch.optim`` optimizer stepped outside the engine (the replay), or ``None``.
 * :meth:`LookAhead.applied` ``(window_fill, window)``: context manager around one crossing
-  forward (``window_fill``: backward passes already in the open window of ``window``). On
-  exit, normal or by exception, the weights are the real weights again. Outside it they
-  always are: eval, checkpoints, backward passes and every other forward see real weights.
+  forward (``window_fill``: backward passes already in the open window of ``window``).
+  **Exception safe**: whatever raises while the prediction is computed or written, inside
+  the forward, or in the restore, the real weights are back (bit for bit with the ``copy``
+  and ``master`` restores) before the exception leaves it. If they cannot be restored (the
+  restore failed twice), :class:`PACILookAheadError` says so and every later use raises it.
+  Outside it the weights always are the real ones: eval, checkpoints, backward passes and
+  every other forward see real weights.
 * :meth:`LookAhead.before_step` / :meth:`LookAhead.after_step`: around each local
-  optimizer step (prediction-error telemetry only; they never change weights).
-* :meth:`LookAhead.stats`: telemetry (see there).
-* :meth:`LookAhead.predict_next` ``(window_fill, window)``: the predicted next master weights
-  as new tensors (for tests and diagnostics; the engine does not call it).
+  optimizer step (telemetry and bookkeeping; they never change weights).
+* :meth:`LookAhead.stats`: telemetry (see there); :meth:`LookAhead.predict_next`: the
+  predicted next master weights as new tensors (tests and diagnostics).
 
-The prediction (Adam / AdamW with the optimizer's own hyper-parameters)
------------------------------------------------------------------------
-For each tensor the optimizer steps, with step count ``t``, moments ``m``, ``v`` and the
-learning rate in its param group now (the one the next step will use: DeepSpeed steps
-the LR scheduler right after the optimizer)::
+The prediction
+--------------
+The optimizer's own next step (:mod:`ds_paci.core.lookahead_rules`: Adam/AdamW, SGD,
+Muon; exact optimizer types only) with the hyper-parameters in its param groups now (the
+learning rate the scheduler set for the next step), the window's gradient estimated as
+``g = coef * a * G / n`` (``G``: the open window's accumulated gradient, ``n`` backward
+passes in it; ``n = 0``: from the optimizer's state). ``coef`` is the stage's clip
+coefficient when gradient clipping is on: ``max_norm / (a/n * ||G|| + 1e-6)`` when below 1,
+the local step's own formula applied to the window's norm estimate (1 otherwise). With
+``n = a`` and a single data-parallel replica the prediction is the optimizer's actual next
+step, clipping included (up to rounding; tests check <= 1e-6).
 
-    g   = a * G / n          G: the open window's accumulated gradient, n = backward passes
-                             already in it (each scaled by 1/a), a = the window
-    g  += wd * theta         (Adam with L2 weight decay only)
-    m'  = b1 m + (1 - b1) g,  v' = b2 v + (1 - b2) g^2   (v' = max(v_max, v') with amsgrad)
-    u   = lr / (1 - b1^(t+1)) * m' / (sqrt(v' / (1 - b2^(t+1))) + eps)
-    theta_next = theta * (1 - lr * wd) - u      (decoupled weight decay: AdamW)
-               = theta - u                       (otherwise)
+What is not moved: with ``n > 0``, a parameter without a gradient is predicted exactly as
+the optimizer will step it: in the engine DeepSpeed's reduce gives it a zero gradient
+(``zero_filled``), stepped directly ``torch.optim`` skips it (not predicted). With ``n = 0``,
+a parameter the last step did not step is not predicted (outside the engine). When the
+window's gradient is not finite anywhere the local step will be skipped, so nothing is
+predicted (``nonfinite_forwards``). Only one version ahead is predicted.
 
-With ``n = 0`` (nothing in the window yet) the gradient estimate is the optimizer's own
-bias-corrected first moment ``m / (1 - b1^t)``; with no optimizer state yet either, that
-tensor is not predicted. With ``n = a`` and a single data-parallel replica the
-prediction is the optimizer's actual next step (up to rounding; tests check <= 1e-6).
-Gradient clipping, when configured, is not predicted. Only one version ahead is
-predicted (a forward crossing two steps, possible when ``a < P-1-s``, sees ``v + 1``).
+Where the tensors live and how they get back (no new communication anywhere)
+----------------------------------------------------------------------------
+See :mod:`ds_paci.core.lookahead_slots`. fp32 weights stepped directly are changed in place
+and restored by ``restore="copy"`` (the default: a copy of each batch of weights taken just
+before it is written, copied back; exact; costs one fp32 copy of the stage's weights while
+the forward runs) or ``"recompute"`` (recompute the same update and undo it: no copy, exact
+only up to rounding, about twice the prediction's time). ``make_lookahead`` uses ``"copy"``
+wherever copies must stay bit-identical (data-parallel replicas, owners of tied layers), and
+for updates that depend on the weights (L2 decay). bf16 and ZeRO-1: predicted on the fp32
+master partition, written into the (bf16 or fp32) weights the forward reads, restored
+exactly from the master.
 
-Where the tensors live (no new communication anywhere)
-------------------------------------------------------
-* ``torch.optim`` ``Adam``/``AdamW`` (passed by the user, or DeepSpeed's ``torch_adam``)
-  and DeepSpeed's ``FusedAdam`` on fp32 parameters: the optimizer steps
-  :class:`~ds_paci.core.local_step.ParamAliases` (``param.data``); the window's gradient
-  is ``param.grad`` (DeepSpeed accumulates into it across micro-batches). The forward
-  reads the parameters themselves, so they are changed in place and restored either by
-  recomputing the same ``u`` (``restore="recompute"``: ``theta = (theta_next + u) /
-  (1 - lr wd)``, no extra memory, exact up to rounding) or from a copy of the stage's
-  weights held during the forward (``restore="copy"``: exact). Adam with L2 weight decay
-  cannot recompute ``u`` (it depends on ``theta``) and always uses the copy.
-* ``bf16`` (DeepSpeed's ``BF16_Optimizer``): the prediction is made on the fp32 master
-  partition (``fp32_groups_flat_partition``) with the fp32 accumulated gradient
-  (``fp32_groups_gradient_flat_partition``: the engine adds each backward's bf16
-  gradients into it), written into the bf16 parameters, and restored exactly by copying
-  the master back (DeepSpeed keeps the bf16 parameters equal to the rounded master).
-* ZeRO stage 1 (``DeepSpeedZeroOptimizer``): each rank holds the optimizer state of its
-  own partition only, so each rank predicts exactly that partition of the flat parameter
-  buffer (the gradient is the rank's local, not yet reduced ``param.grad``, or
-  ``param.grad_accum``), and restores it from the fp32 master partition. The other
-  partitions keep their real weights on this rank: predicting them would need the other
-  ranks' moments, i.e. new communication. With ``d`` data-parallel replicas each replica
-  therefore predicts ``1/d`` of its stage's weights.
+Order of operations (exception safety): each batch's update is computed first (nothing
+written yet), then its undo record is taken (the copy), then it is written; the restore
+undoes exactly the recorded batches, each failed undo is retried once tensor by tensor.
 
-With data parallelism (every path), the gradient is the replica's own local sum over the
-window so far: each replica predicts from its own data; no reduce is added.
-
-Non-finite values: a tensor (or chunk) whose window gradient is not finite is left
-unpredicted (and counted in ``nonfinite_chunks``).
-
-Cost: the prediction takes six multi-tensor passes over the stage's weights plus one
-to apply it; the recompute restore as many again, the copy restore two. Tensors are
-processed in chunks and batches (:data:`CHUNK`, :data:`BATCH`) so that temporaries stay
-bounded.
+Cost: the prediction takes about six multi-tensor passes over the stage's weights (Adam;
+SGD two to four) plus one to write it and one read pass to check the window's gradient is
+finite (and one for the norm with clipping); the copy restore two more. Muon runs the
+optimizer's Newton-Schulz iteration on every matrix, the same cost as its step's. Tensors
+are processed in chunks and batches (:data:`CHUNK`, :data:`BATCH`; Muon: whole matrices) so
+that temporaries stay bounded.
 
 Telemetry (:meth:`stats`)
 -------------------------
-``predicted_forwards`` (crossing forwards that ran on predicted weights),
-``seconds`` (time spent predicting and restoring), ``prediction_error`` (mean over
-windows of the relative prediction error, see below), ``error_windows``, and
-``nonfinite_chunks``. The relative error of a window compares the weights predicted for
-each of its ``J`` crossing forwards with the real next weights:
-``sqrt(mean_j ||theta_pred_j - theta_next||^2) / ||theta_next - theta||``, where 0 is a
-perfect prediction and 1 is what running the forward on the old weights amounts to. It is
-measured on one window in ``ERROR_EVERY`` (8), on every ``ERROR_STRIDE``-th element of the
-stage's master weights (a 1/32 sample of coordinates): 2/32 of a weight copy while such a
-window is open and a few strided passes.
+``predicted_forwards``, ``clipped_forwards`` (predicted with ``coef < 1``),
+``nonfinite_forwards``, ``seconds`` (predicting and restoring), ``prediction_error``
+(mean over windows of the relative error, below), ``error_windows``. The relative error of a
+window compares the weights predicted for each of its ``J`` crossing forwards with the real
+next weights: ``sqrt(mean_j ||theta_pred_j - theta_next||^2) / ||theta_next - theta||``: 0 is
+a perfect prediction, 1 what running the forward on the old weights amounts to. Measured on
+one window in ``ERROR_EVERY`` (8), on every ``ERROR_STRIDE``-th element of the master weights.
 """
 
 import math
@@ -96,127 +84,24 @@ import time
 from contextlib import contextmanager
 
 import torch
-from deepspeed import comm as dist
-from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import logger
 
-from . import compat
+from .lookahead_rules import AdamRule, adam_moments, adam_update, rule_reader  # noqa: F401 (public names)
+from .lookahead_slots import ClipSource, Slot, _norm_of, engine_slots, torch_slots
 
-__all__ = ["AdamRule", "LookAhead", "make_lookahead", "lookahead_for_torch_optimizer", "adam_update", "adam_moments",
-           "RESTORE_MODES"]
+__all__ = ["AdamRule", "LookAhead", "PACILookAheadError", "make_lookahead", "lookahead_for_torch_optimizer",
+           "adam_update", "adam_moments", "RESTORE_MODES"]
 
-CHUNK = 1 << 20  # tensors are cut into chunks of at most this many elements
+_Slot = Slot  # the name the tests and older callers use
+CHUNK = 1 << 20  # tensors are cut into chunks of at most this many elements (element-wise rules)
 BATCH = 1 << 22  # elements predicted by one round of multi-tensor ops: bounds the temporaries
 ERROR_STRIDE = 32  # the prediction error is measured on every ERROR_STRIDE-th element (CHUNK is a multiple)
 ERROR_EVERY = 8  # ... of one window in ERROR_EVERY (the first, the ninth, ...)
-RESTORE_MODES = ("recompute", "copy")
+RESTORE_MODES = ("copy", "recompute")
 
 
-class AdamRule:
-    """The hyper-parameters of one Adam/AdamW param group, read when a prediction is made."""
-
-    __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize",
-                 "bias_correction")
-
-    def __init__(self, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad=False, maximize=False,
-                 bias_correction=True):
-        self.lr = float(lr)
-        self.beta1 = float(beta1)
-        self.beta2 = float(beta2)
-        self.eps = float(eps)
-        self.weight_decay = float(weight_decay)
-        self.decoupled = bool(decoupled)
-        self.amsgrad = bool(amsgrad)
-        self.maximize = bool(maximize)
-        self.bias_correction = bool(bias_correction)
-
-    @property
-    def decay(self):
-        """Factor on ``theta`` of the decoupled weight decay (1.0 without it)."""
-        return 1.0 - self.lr * self.weight_decay if self.decoupled and self.weight_decay else 1.0
-
-    @property
-    def l2(self):
-        """Adam's coupled (L2) weight decay: ``wd * theta`` joins the gradient."""
-        return not self.decoupled and self.weight_decay != 0.0
-
-    @classmethod
-    def of_torch(cls, optimizer, group):
-        """torch.optim.Adam / AdamW (AdamW is Adam with ``decoupled_weight_decay``)."""
-        beta1, beta2 = group["betas"]
-        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-        return cls(_scalar(group["lr"]), _scalar(beta1), _scalar(beta2), group["eps"], _scalar(group["weight_decay"]),
-                   decoupled, group.get("amsgrad", False), group.get("maximize", False))
-
-    @classmethod
-    def of_fused(cls, optimizer, group):
-        """DeepSpeed FusedAdam (CUDA or CPU kernel): ``adam_w_mode`` on the optimizer, decay applied when > 0."""
-        beta1, beta2 = group["betas"]
-        wd = float(group["weight_decay"])
-        return cls(group["lr"], beta1, beta2, group["eps"], wd if wd > 0 else 0.0, bool(optimizer.adam_w_mode),
-                   bias_correction=group.get("bias_correction", True))
-
-
-def _scalar(x):
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def adam_moments(rule, t, thetas, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs=None, grad_scale=1.0):
-    """The next Adam/AdamW step of a list of tensors as ``(m, d, step)``: the optimizer's next weights are
-    ``theta * rule.decay - step * m / d`` (``m``: the next first moment, ``d``: its denominator).
-
-    Lists of same-shaped tensors, all of one param group with step count ``t`` (steps
-    taken so far). ``grads``: the accumulated window gradients (``None``: estimate the
-    gradient by the bias-corrected first moment); ``grad_scale``: ``a / n``;
-    ``exp_avgs``/``exp_avg_sqs``: the moments (``None`` before the first step). Nothing
-    passed in is modified. Multi-tensor (``torch._foreach_*``) ops, six passes over the
-    weights' size (eight with L2 decay). Returns ``None`` when there is nothing to predict from.
-
-    ``u = step * m / d`` equals ``lr / (1 - b1^(t+1)) * m / (sqrt(v / (1 - b2^(t+1))) + eps)``:
-    with ``c = sqrt(1 - b2^(t+1))``, ``d = sqrt(v) + eps * c`` and ``step = lr * c / (1 - b1^(t+1))``.
-    """
-    b1, b2 = rule.beta1, rule.beta2
-    if grads is None:
-        if exp_avgs is None or t < 1:
-            return None
-        g, scale = exp_avgs, (1.0 / (1.0 - b1**t) if rule.bias_correction else 1.0)
-    else:
-        g = [x if x.dtype == torch.float32 else x.float() for x in grads]
-        scale = -grad_scale if rule.maximize else grad_scale
-        if rule.l2:
-            g = torch._foreach_mul(g, scale)
-            torch._foreach_add_(g, thetas, alpha=rule.weight_decay)
-            scale = 1.0
-    if exp_avgs is None:
-        m = torch._foreach_mul(g, (1.0 - b1) * scale)
-        v = torch._foreach_mul(g, g)
-        torch._foreach_mul_(v, (1.0 - b2) * scale * scale)
-    else:
-        m = torch._foreach_mul(exp_avgs, b1)
-        torch._foreach_add_(m, g, alpha=(1.0 - b1) * scale)
-        v = torch._foreach_mul(exp_avg_sqs, b2)
-        torch._foreach_addcmul_(v, g, g, value=(1.0 - b2) * scale * scale)
-    if rule.amsgrad and max_exp_avg_sqs is not None:
-        v = torch._foreach_maximum(max_exp_avg_sqs, v)
-    bc1 = 1.0 - b1**(t + 1) if rule.bias_correction else 1.0
-    c = math.sqrt(1.0 - b2**(t + 1)) if rule.bias_correction else 1.0
-    torch._foreach_sqrt_(v)
-    torch._foreach_add_(v, rule.eps * c)
-    return m, v, rule.lr * c / bc1
-
-
-def adam_update(rule, t, theta, grad, exp_avg, exp_avg_sq, max_exp_avg_sq=None, grad_scale=1.0):
-    """``u`` with next weights ``theta * rule.decay - u`` for one tensor (see :func:`adam_moments`), or ``None``."""
-
-    def one(x):
-        return None if x is None else [x]
-
-    out = adam_moments(rule, t, [theta], one(grad), one(exp_avg), one(exp_avg_sq), one(max_exp_avg_sq), grad_scale)
-    if out is None:
-        return None
-    (m, ), (d, ), step = out
-    return m.div_(d).mul_(step)
+class PACILookAheadError(RuntimeError):
+    """The stage's real weights could not be restored after a predicted forward."""
 
 
 def _chunks(tensor, size=CHUNK):
@@ -231,63 +116,53 @@ def _flat(tensor):
     return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
 
 
-class _Slot:
-    """One tensor the optimizer steps (the master), its state and group, and where the forward reads it.
+class _Batch:
+    """Chunks of one param group with one state layout: what one round of the rule's multi-tensor ops predicts."""
 
-    ``grad()``: the accumulated window gradient in the master's shape, or ``None``.
-    ``target``: the low-precision tensor the forward reads (``None``: the master itself).
-    """
+    __slots__ = ("rule", "key", "slots", "offsets", "thetas", "grads", "states", "targets", "scale")
 
-    __slots__ = ("master", "optimizer", "group_index", "rule_of", "grad", "target", "sample")
+    def __init__(self, rule, key, chunks):
+        self.rule, self.key = rule, key
+        self.scale = 1.0  # the factor on ``grads``: ``coef * a / n`` (see LookAhead._plan)
+        columns = list(zip(*chunks))
+        self.slots, self.offsets, self.thetas = list(columns[0]), list(columns[1]), list(columns[2])
 
-    def __init__(self, master, optimizer, group, rule_of, grad, target=None):
-        self.master = master
-        self.optimizer = optimizer
-        # The group by position, not the dict: ``optimizer.load_state_dict`` (a checkpoint load) replaces the
-        # param-group dicts, and the LR scheduler then sets the learning rate on the new ones.
-        self.group_index = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
-        self.rule_of = rule_of
-        self.grad = grad
-        self.target = target
-        self.sample = None  # error telemetry: sum of predicted deltas on the sampled coordinates
+        def column(i):
+            return None if columns[i][0] is None else list(columns[i])
 
-    @property
-    def group(self):
-        return self.optimizer.param_groups[self.group_index]
+        self.grads = column(3)
+        self.states = tuple(column(i) for i in range(4, len(columns) - 1))
+        self.targets = column(len(columns) - 1)
 
-    def state(self, steps):
-        """``(t, exp_avg, exp_avg_sq, max_exp_avg_sq)``; ``steps`` caches per-group step counts for one prediction."""
-        state = self.optimizer.state.get(self.master)
-        if not state or "exp_avg" not in state:
-            return 0, None, None, None
-        if self.rule_of == AdamRule.of_fused:
-            # FusedAdam advances only the step of the last parameter of a group it steps and uses that count for
-            # the whole group; the others keep their initial count. The group's step is therefore the largest.
-            key = id(self.group)
-            if key not in steps:
-                states = self.optimizer.state
-                steps[key] = max(int(_scalar(states[p].get("step", 0))) for p in self.group["params"] if p in states)
-            step = steps[key]
-        else:
-            step = int(_scalar(state.get("step", 0)))
-        return step, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")
 
-    def rule(self):
-        return self.rule_of(self.optimizer, self.group)
+def _write(thetas, decay, alpha, us):
+    """``theta <- theta * decay - alpha * u`` in place (two multi-tensor passes, nothing allocated)."""
+    if decay != 1.0:
+        torch._foreach_mul_(thetas, decay)
+    if all(u.dtype == t.dtype for u, t in zip(us, thetas)):
+        torch._foreach_add_(thetas, us, alpha=-alpha)
+    else:  # Muon's bf16 orthogonalised update, added as torch.optim.Muon adds it
+        for t, u in zip(thetas, us):
+            t.add_(u, alpha=-alpha)
 
 
 class LookAhead:
     """Predict-forward-restore for one stage (see the module docstring for the contract)."""
 
-    def __init__(self, slots, restore, kind):
+    def __init__(self, slots, restore, kind, clip=None):
+        if restore not in RESTORE_MODES:
+            raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
         self.slots = slots
         self.restore = restore
         self.kind = kind
+        self.clip = clip
         self.predicted_forwards = 0
-        self.nonfinite_chunks = 0
+        self.clipped_forwards = 0
+        self.nonfinite_forwards = 0
         self.seconds = 0.0
         self.error_sum = 0.0
         self.error_windows = 0
+        self.unrestored = None  # why the real weights could not be restored, once that happened
         self._window = 0  # local steps seen: the index of the open window
         self._crossings = 0  # crossing forwards predicted in the open window, if it is sampled (error telemetry)
         self._sq_sum = 0.0
@@ -298,19 +173,20 @@ class LookAhead:
     @contextmanager
     def applied(self, window_fill, window):
         """Run the body on weights predicted from ``window_fill`` of ``window`` backward passes; the real weights
-        are back on exit, whatever happens."""
+        are back on exit, whatever raised (see the module docstring)."""
+        self.check_restored()
         began = time.perf_counter()
         scale = None if window_fill <= 0 else window / window_fill
         undo = []
+        self.active = True
         try:
-            self.active = True
             self._apply(scale, undo)
             self.seconds += time.perf_counter() - began
             yield
         finally:
             began = time.perf_counter()
             try:
-                self._restore(scale, undo)
+                self._restore(undo)
             finally:
                 self.active = False
                 self.seconds += time.perf_counter() - began
@@ -318,134 +194,166 @@ class LookAhead:
         if self._sampled:
             self._crossings += 1
 
+    def check_restored(self):
+        """Raise :class:`PACILookAheadError` if a restore ever failed (the weights are not the real ones)."""
+        if self.unrestored is not None:
+            raise PACILookAheadError(self.unrestored)
+
     @property
     def _sampled(self):
         """Whether the open window's prediction error is measured (one window in :data:`ERROR_EVERY`)."""
         return self._window % ERROR_EVERY == 0
 
-    def _batches(self, scale):
-        """The prediction, batch by batch: ``(rule, items, (m, d, step))`` with ``items`` ``[(slot, offset, theta chunk,
-        target chunk or None), ...]`` and their next step (:func:`adam_moments`; non-finite ones dropped, counted).
-
-        Chunks of the slots are grouped by param group, step count and what is known (state,
-        gradient), and cut into batches of at most :data:`BATCH` elements, so temporaries
-        stay bounded. Deterministic: the same inputs give the same batches and updates.
-        """
-        groups, steps, rules = {}, {}, {}
-        for slot in self.slots:
-            t, m, v, vmax = slot.state(steps)
-            grad = slot.grad() if scale is not None else None
-            if grad is None and m is None:
-                continue  # nothing to predict from
-            key = (id(slot.group), t, m is not None, grad is not None, vmax is not None, slot.target is None)
-            if key not in groups:
-                if id(slot.group) not in rules:
-                    rules[id(slot.group)] = slot.rule()
-                groups[key] = (rules[id(slot.group)], t, [])
-            thetas = _chunks(slot.master)
-            none = [None] * len(thetas)
-            parts = [none if x is None else _chunks(x) for x in (grad, m, v, vmax, slot.target)]
-            offset = 0
-            for theta, *rest in zip(thetas, *parts):
-                groups[key][2].append((slot, offset, theta, *rest))
-                offset += theta.numel()
-        for rule, t, chunks in groups.values():
-            batch, size = [], 0
-            for chunk in chunks:
-                if batch and size + chunk[2].numel() > BATCH:
-                    yield self._predict(rule, t, batch, scale)
-                    batch, size = [], 0
-                batch.append(chunk)
-                size += chunk[2].numel()
-            if batch:
-                yield self._predict(rule, t, batch, scale)
-
-    def _predict(self, rule, t, batch, scale):
-        """One batch: ``(rule, items, (m, d, step))`` (see :meth:`_batches` and :func:`adam_moments`)."""
-
-        def column(i):
-            values = [c[i] for c in batch]
-            return None if values[0] is None else values
-
-        grads = column(3) if scale is not None else None
-        m, d, step = adam_moments(rule, t, column(2), grads, column(4), column(5), column(6), scale or 1.0)
-        items = [(c[0], c[1], c[2], c[7]) for c in batch]
-        # A finite gradient (and state) gives a finite update; check the gradient (or the moment standing in for it).
-        finite = torch.isfinite(torch.stack(torch._foreach_norm(grads if grads is not None else column(4))))
-        if not bool(finite.all()):
-            keep = finite.tolist()
-            self.nonfinite_chunks += keep.count(False)
-            items = [x for x, k in zip(items, keep) if k]
-            m = [x for x, k in zip(m, keep) if k]
-            d = [x for x, k in zip(d, keep) if k]
-        return rule, items, (m, d, step)
-
-    def _recomputes(self, rule, items):
-        return items[0][3] is None and not (self.restore == "copy" or rule.l2)
-
     @torch.no_grad()
     def _apply(self, scale, undo):
-        for rule, items, (m, d, step) in self._batches(scale):
-            if not items:
-                continue
-            thetas = [x[2] for x in items]
+        batches, clipped = self._plan(scale)
+        if batches is None:
+            self.nonfinite_forwards += 1
+            return
+        self.clipped_forwards += clipped
+        for batch in batches:
+            decay, alpha, us = self._compute(batch)  # may raise: nothing of this batch written yet
             if self._sampled:
-                self._sample(rule, items, m, d, step)
-            if items[0][3] is not None:  # low-precision weights the forward reads; the masters stay real
-                pred = torch._foreach_mul(thetas, rule.decay)
-                torch._foreach_addcdiv_(pred, m, d, -step)
-                targets = [x[3] for x in items]
-                torch._foreach_copy_(targets, pred)
-                undo.append(("master", thetas, targets))
+                self._sample(batch, decay, alpha, us)
+            if batch.targets is not None:  # low-precision weights the forward reads; the masters stay real
+                pred = torch._foreach_mul(batch.thetas, decay)
+                torch._foreach_add_(pred, us, alpha=-alpha)
+                undo.append(("master", batch.thetas, batch.targets))
+                torch._foreach_copy_(batch.targets, pred)
                 continue
-            if self._recomputes(rule, items):
-                undo.append(("recompute", thetas, None))
+            if self.restore == "recompute" and batch.rule.recomputable:
+                undo.append(("recompute", batch.thetas, batch))
             else:
-                undo.append(("copy", thetas, [x.clone() for x in thetas]))
-            if rule.decay != 1.0:
-                torch._foreach_mul_(thetas, rule.decay)
-            torch._foreach_addcdiv_(thetas, m, d, -step)
+                undo.append(("copy", batch.thetas, [x.clone() for x in batch.thetas]))
+            _write(batch.thetas, decay, alpha, us)
+
+    def _compute(self, batch):
+        """``(decay, alpha, u)`` of one batch (deterministic: the same inputs give the same ``u``)."""
+        return batch.rule.update(batch.key, batch.thetas, batch.grads, batch.states, batch.scale)
 
     @torch.no_grad()
-    def _restore(self, scale, undo):
-        recompute = False
-        for how, thetas, other in undo:
-            if how == "master":
-                torch._foreach_copy_(other, thetas)  # the real master, rounded as DeepSpeed keeps the weights
-            elif how == "copy":
-                torch._foreach_copy_(thetas, other)
-            else:
-                recompute = True
-        if not recompute:
+    def _restore(self, undo):
+        """Undo every record (last first); retry each failed one once, tensor by tensor; then re-raise the failure."""
+        failed = []
+        for record in reversed(undo):
+            try:
+                self._undo(record, careful=False)
+            except Exception as e:  # noqa: BLE001 - every record must be tried before anything propagates
+                failed.append((record, e))
+        for record, _ in failed:
+            try:
+                self._undo(record, careful=True)
+            except Exception as e:
+                self.unrestored = (f"the look-ahead could not restore the real weights after a predicted forward "
+                                   f"({type(e).__name__}: {e}); this stage's weights are wrong: stop and resume "
+                                   "from the last checkpoint (no checkpoint is saved from this state)")
+                raise PACILookAheadError(self.unrestored) from e
+        if failed:
+            raise failed[0][1]  # the weights are real again; the failure itself still leaves the engine
+
+    def _undo(self, record, careful):
+        how, thetas, other = record
+        if how == "recompute":
+            decay, alpha, us = self._compute(other)
+            torch._foreach_add_(thetas, [u.to(t.dtype) for u, t in zip(us, thetas)], alpha=alpha)
+            if decay != 1.0:
+                torch._foreach_div_(thetas, decay)
             return
-        # The same inputs (moments, step, lr, window gradient) give the same batches and update: undo it.
-        for rule, items, (m, d, step) in self._batches(scale):
-            if items and self._recomputes(rule, items):
-                thetas = [x[2] for x in items]
-                torch._foreach_addcdiv_(thetas, m, d, step)
-                if rule.decay != 1.0:
-                    torch._foreach_div_(thetas, rule.decay)
+        dst, src = (other, thetas) if how == "master" else (thetas, other)  # master: the real master, rounded
+        if careful:
+            for d, s in zip(dst, src):
+                d.copy_(s)
+        else:
+            torch._foreach_copy_(dst, src)
+
+    # -- what is predicted -------------------------------------------------------------
+    def _plan(self, scale):
+        """``(batches, clipped)``: the open window's prediction cut into :class:`_Batch` es, and whether the clip
+        coefficient is below 1; ``(None, False)`` when the window's gradient is not finite (the local step will be
+        skipped: nothing to predict).
+
+        Chunks of the slots are grouped by optimizer, param group and what is known (state,
+        gradient), and cut into batches of at most :data:`BATCH` elements. Deterministic.
+        """
+        groups, rules, cache, grads = {}, {}, {}, []
+        for slot in self.slots:
+            rk = (id(slot.optimizer), slot.group_index)
+            if rk not in rules:
+                rules[rk] = slot.rule()
+            rule = rules[rk]
+            steps_missing = slot.zero_filled or rule.steps_without_grad
+            grad = slot.grad() if scale is not None else None
+            if scale is not None and grad is None:
+                if not steps_missing:
+                    continue  # the optimizer skips a parameter without a gradient
+                grad = torch.zeros_like(slot.master)
+            if scale is None and not (slot.had_grad or steps_missing):
+                continue
+            got = rule.gather(slot.optimizer, slot.master, slot.group, scale is not None, cache)
+            if got is None:
+                continue  # nothing to predict from
+            key, states = got
+            if grad is not None:
+                grads.append(grad)
+            split = _chunks if rule.chunked else (lambda x: [x])
+            thetas = split(slot.master)
+            none = [None] * len(thetas)
+            parts = [none if x is None else split(x) for x in (grad, *states, slot.target)]
+            chunks = groups.setdefault((rk, key, slot.target is None), (rule, key, []))[2]
+            offset = 0
+            for theta, *rest in zip(thetas, *parts):
+                chunks.append((slot, offset, theta, *rest))
+                offset += theta.numel()
+        if grads and not math.isfinite(_norm_of(grads)):
+            return None, False
+        coef = self._clip_coef(scale)
+        batches = []
+        for rule, key, chunks in groups.values():
+            start, size = 0, 0
+            for i, chunk in enumerate(chunks):
+                if i > start and size + chunk[2].numel() > BATCH:
+                    batches.append(_Batch(rule, key, chunks[start:i]))
+                    start, size = i, 0
+                size += chunk[2].numel()
+            if chunks:
+                batches.append(_Batch(rule, key, chunks[start:]))
+        for batch in batches:
+            batch.scale = 1.0 if scale is None else coef * scale
+            if coef != 1.0 and batch.grads is not None and batch.grads[0].dtype != torch.float32:
+                # the local step scales a low-precision gradient in its own dtype (rounded), then steps with it
+                batch.grads, batch.scale = torch._foreach_mul(batch.grads, coef), scale
+        return batches, coef != 1.0
+
+    def _clip_coef(self, scale):
+        """The stage's clip coefficient for the window's norm estimate ``a/n ||G||`` (1.0: no clipping)."""
+        max_norm = self.clip.max_norm() if self.clip is not None and scale is not None else 0.0
+        if max_norm <= 0.0:
+            return 1.0
+        coef = max_norm / (self.clip.norm() * scale + 1e-6)  # the local step's formula
+        return coef if coef < 1.0 else 1.0
 
     # -- error telemetry ------------------------------------------------------------
-    def _sample(self, rule, items, m, d, step):
+    def _sample(self, batch, decay, alpha, us):
         """Add this forward's predicted deltas on the sampled coordinates to each slot's running sum."""
         stride = ERROR_STRIDE
-        delta = torch._foreach_div([_flat(x)[::stride] for x in m], [_flat(x)[::stride] for x in d])
-        torch._foreach_mul_(delta, -step)
-        if rule.decay != 1.0:
-            torch._foreach_add_(delta, [_flat(x[2])[::stride] for x in items], alpha=rule.decay - 1.0)
+        delta = torch._foreach_mul([_flat(u)[::stride].float() for u in us], -alpha)
+        if decay != 1.0:
+            torch._foreach_add_(delta, [_flat(t)[::stride] for t in batch.thetas], alpha=decay - 1.0)
         sums = []
-        for (slot, offset, theta, _), x in zip(items, delta):
+        for slot, offset, x in zip(batch.slots, batch.offsets, delta):
             if slot.sample is None:
                 slot.sample = torch.zeros(-(-slot.master.numel() // stride), dtype=torch.float32,
-                                          device=theta.device)
+                                          device=slot.master.device)
             sums.append(slot.sample.narrow(0, offset // stride, x.numel()))
         torch._foreach_add_(sums, delta)
         self._sq_sum += float(torch.stack(torch._foreach_norm(delta)).pow(2).sum())
 
     @torch.no_grad()
     def before_step(self):
-        """Before a local step: remember the sampled coordinates of the real weights (if a crossing forward ran)."""
+        """Before a local step: which tensors it steps (see ``had_grad``), and the sampled real weights."""
+        for slot in self.slots:
+            if not slot.zero_filled:
+                slot.had_grad = slot.grad() is not None
         if self._crossings:
             self._before = [_flat(s.master)[::ERROR_STRIDE].float().clone() for s in self.slots]
 
@@ -477,9 +385,11 @@ class LookAhead:
         """The predicted next master weights (new tensors, one per slot); nothing is changed."""
         scale = None if window_fill <= 0 else window / window_fill
         out = {id(slot): slot.master.detach().clone() for slot in self.slots}
-        for rule, items, (m, d, step) in self._batches(scale):
-            for (slot, offset, theta, _), mc, dc in zip(items, m, d):
-                pred = theta.mul(rule.decay).addcdiv_(mc, dc, value=-step)
+        batches, _ = self._plan(scale)
+        for batch in batches or []:
+            decay, alpha, us = self._compute(batch)
+            for slot, offset, theta, u in zip(batch.slots, batch.offsets, batch.thetas, us):
+                pred = theta.mul(decay).add_(u, alpha=-alpha)
                 _flat(out[id(slot)]).narrow(0, offset, theta.numel()).copy_(_flat(pred))
         return [out[id(slot)] for slot in self.slots]
 
@@ -493,150 +403,67 @@ class LookAhead:
             "optimizer": self.kind,
             "restore": self.restore if self.slots and self.slots[0].target is None else "master",
             "predicted_forwards": self.predicted_forwards,
+            "clipped_forwards": self.clipped_forwards,
+            "nonfinite_forwards": self.nonfinite_forwards,
             "prediction_error": self.error_sum / self.error_windows if self.error_windows else None,
             "error_windows": self.error_windows,
             "error_every": ERROR_EVERY,
-            "nonfinite_chunks": self.nonfinite_chunks,
             "seconds": self.seconds,
         }
 
 
-# -- building the slots of an engine's optimizer ------------------------------------------
-def _rule_of(optimizer):
-    """The rule reader for an inner optimizer, or ``None`` if it is not in the Adam family we predict."""
-    try:
-        from deepspeed.ops.adam import FusedAdam
-    except ImportError:  # pragma: no cover - DeepSpeed always ships it
-        FusedAdam = ()
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except ImportError:  # pragma: no cover
-        DeepSpeedCPUAdam = ()
-    if DeepSpeedCPUAdam and isinstance(optimizer, DeepSpeedCPUAdam):
-        return None
-    if FusedAdam and isinstance(optimizer, FusedAdam):
-        return AdamRule.of_fused
-    if isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam
-        return AdamRule.of_torch
-    return None
+# -- building one -------------------------------------------------------------------------
+FALLBACK = ("training continues with plain PACI: forwards that cross a local step run on the current weights, one "
+            "version behind their backward (at P = 8 and stock's best learning rate that ended 20-30% above stock; "
+            "see README, \"The look-ahead\")")
 
 
-def _torch_slots(optimizer, aliases):
-    """fp32 parameters stepped by a torch.optim / FusedAdam optimizer through ``.data`` aliases."""
-    rule_of = _rule_of(optimizer)
-    param_of = {id(alias): p for p, alias in aliases.pairs}
-    slots = []
-    for group in optimizer.param_groups:
-        for alias in group["params"]:
-            p = param_of[id(alias)]
-            if alias.dtype != torch.float32:
-                return None, f"parameters in {alias.dtype} without DeepSpeed's bf16 optimizer"
-            slots.append(_Slot(alias, optimizer, group, rule_of, grad=lambda p=p: p.grad))
-    return slots, None
-
-
-def lookahead_for_torch_optimizer(optimizer, aliases, restore="recompute"):
+def lookahead_for_torch_optimizer(optimizer, aliases, restore="copy", max_norm=0.0):
     """A :class:`LookAhead` over fp32 parameters stepped by ``optimizer`` through ``aliases``
-    (:class:`~ds_paci.core.local_step.ParamAliases`), or ``None`` if it is not Adam/AdamW.
+    (:class:`~ds_paci.core.local_step.ParamAliases`), or ``None`` if that optimizer is not predicted
+    (:func:`~ds_paci.core.lookahead_rules.rule_reader` says why).
 
-    For programs that run stage-local steps outside the engine (the single-process replay).
+    For programs that run stage-local steps outside the engine (the single-process replay): a
+    parameter without a gradient is skipped, as ``torch.optim`` skips it. ``max_norm`` > 0: the
+    caller clips the window's gradient to that norm (``torch.nn.utils.clip_grad_norm_`` over the
+    aliased parameters) before each step, and the prediction does the same.
     """
-    if _rule_of(optimizer) is None:
+    slots, reason = torch_slots(optimizer, aliases)
+    if reason:
         return None
-    slots, reason = _torch_slots(optimizer, aliases)
-    return None if reason else LookAhead(slots, restore, "torch")
+    params = [p for p, _ in aliases.pairs]
+    clip = ClipSource(lambda: float(max_norm), lambda: _norm_of(p.grad for p in params)) if max_norm > 0 else None
+    return LookAhead(slots, restore, "torch", clip)
 
 
-def _bf16_slots(opt):
-    """DeepSpeed's BF16_Optimizer: fp32 master partitions, fp32 accumulated gradients, bf16 weights."""
-    inner = opt.optimizer
-    rule_of = _rule_of(inner)
-    slots = []
-    for i, group in enumerate(inner.param_groups):
-        pid = dist.get_rank(group=opt.real_dp_process_group[i])
-        grad = opt.fp32_groups_gradient_flat_partition[i]
-        slots.append(_Slot(opt.fp32_groups_flat_partition[i], inner, group, rule_of, grad=lambda g=grad: g,
-                           target=opt.bf16_partitioned_groups[i][pid]))
-    return slots, None
+def _exact_restore(engine, restore, kind):
+    """``"copy"`` where copies must stay bit-identical (data-parallel replicas, tied owners); else ``restore``."""
+    if restore != "recompute" or kind != "torch":
+        return restore
+    tied = getattr(engine, "_tied", None)
+    replicas = engine.dp_world_size > 1
+    owner = tied is not None and bool(tied.exchanges)
+    if (replicas or owner) and engine.global_rank == 0:
+        logger.info(f"ds_paci: \"lookahead_restore\": \"recompute\" is exact only up to rounding; stages with "
+                    f"data-parallel replicas (here {engine.dp_world_size}) or tied copies on several stages restore by "
+                    "\"copy\" instead, so that their copies stay bit-identical")
+    return "copy" if replicas or owner else restore
 
 
-def _zero_partition_grad(opt, i, partition):
-    """This rank's partition of group ``i``'s flat gradient, assembled from the local (unreduced) parameter grads."""
-    flat = opt.bit16_groups_flat[i]
-    start = partition.storage_offset() - flat.storage_offset()
-    size = partition.numel()
-    out = None
-    for param, meta, offset in zip(opt.round_robin_bit16_groups[i], opt.round_robin_bit16_meta[i],
-                                   opt.round_robin_bit16_offsets[i]):
-        lo, hi = max(offset, start), min(offset + meta.numel(), start + size)
-        if lo >= hi:
-            continue
-        grad = opt.get_gradient_for_reduction(param)
-        if grad is None:
-            continue
-        if out is None:
-            out = torch.zeros(size, dtype=torch.float32, device=partition.device)
-        out.narrow(0, lo - start, hi - lo).copy_(_flat(grad).narrow(0, lo - offset, hi - lo))
-    return out
-
-
-def _zero_slots(opt):
-    """ZeRO stage 1: this rank's fp32 master partition, its optimizer state, its slice of the flat weights."""
-    if getattr(opt, "cpu_offload", False):
-        return None, "ZeRO with CPU offload (the optimizer state lives with DeepSpeedCPUAdam)"
-    if getattr(opt, "partition_gradients", False):
-        return None, "ZeRO stage 2 or above"
-    problem = compat.zero_lookahead_problem(opt)
-    if problem:
-        return None, problem
-    inner = opt.optimizer
-    rule_of = _rule_of(inner)
-    slots = []
-    for i, group in enumerate(inner.param_groups):
-        pid = dist.get_rank(group=opt.real_dp_process_group[i])
-        partition = opt.parallel_partitioned_bit16_groups[i][pid]
-        slots.append(_Slot(opt.single_partition_of_fp32_groups[i], inner, group, rule_of,
-                           grad=lambda i=i, part=partition: _zero_partition_grad(opt, i, part), target=partition))
-    return slots, None
-
-
-def _inner_optimizer(opt):
-    if isinstance(opt, (BF16_Optimizer, DeepSpeedZeroOptimizer)):
-        return opt.optimizer
-    return opt
-
-
-def make_lookahead(engine, enabled, restore="recompute"):
+def make_lookahead(engine, enabled, restore="copy"):
     """A :class:`LookAhead` for ``engine``'s stage, or ``None`` (disabled, or an optimizer we cannot predict).
 
-    When the optimizer is not supported, one line (from rank 0) says so and training
-    continues without look-ahead.
+    When the optimizer is not predicted, one line (from rank 0) names the reason and the
+    fallback, and training continues without look-ahead.
     """
     if not enabled:
         return None
     if restore not in RESTORE_MODES:
         raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
-    opt = engine.optimizer
-    inner = _inner_optimizer(opt)
-    reason = None
-    slots = None
-    if _rule_of(inner) is None:
-        reason = (f"optimizer {type(inner).__name__} is not Adam/AdamW (torch.optim or DeepSpeed's FusedAdam); "
-                  "the look-ahead predicts Adam-family steps only")
-    elif isinstance(opt, BF16_Optimizer):
-        slots, reason = _bf16_slots(opt)
-        kind = "bf16"
-    elif isinstance(opt, DeepSpeedZeroOptimizer):
-        slots, reason = _zero_slots(opt)
-        kind = "zero1"
-    elif getattr(engine, "_aliases", None) is not None:
-        slots, reason = _torch_slots(opt, engine._aliases)
-        kind = "torch"
-    else:
-        reason = f"optimizer wrapper {type(opt).__name__} is not supported"
+    slots, kind, clip, reason = engine_slots(engine)
     if reason is not None:
         if engine.global_rank == 0:
-            logger.warning(f"ds_paci: stage {engine.stage_id}: look-ahead off: {reason}; training continues without it "
-                           "(set \"paci\": {\"lookahead\": false} to silence this line)")
+            logger.warning(f"ds_paci: stage {engine.stage_id}: look-ahead off: {reason}; {FALLBACK} (set \"paci\": "
+                           "{\"lookahead\": false} to silence this line)")
         return None
-    return LookAhead(slots, restore, kind)
+    return LookAhead(slots, _exact_restore(engine, restore, kind), kind, clip)
