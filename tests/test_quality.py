@@ -23,7 +23,7 @@ def test_plan_runs_phase_one_first_then_every_cell_with_every_window():
     plan = grid.sweep_plan(_fake_results({}))
     keys = [r.key() for r in plan]
     assert len(keys) == len(set(keys))
-    cell = [r for r in plan if (r.stages, r.micro_batches, r.lr) == (8, 4, 3e-3)]
+    cell = [r for r in plan if (r.stages, r.micro_batches, r.lr, r.optimizer) == (8, 4, 3e-3, "adamw")]
     windows = {r.windows for r in cell if r.engine == "lookahead"}
     for rule in list(grid.ALL_RULES) + ["auto"]:
         assert tuple(grid.rule_windows(rule, 8, 4)) in windows
@@ -32,6 +32,8 @@ def test_plan_runs_phase_one_first_then_every_cell_with_every_window():
     assert {r.steps for r in auto} == {int(1.5 * grid.STEPS[8])} and len(auto) == 2  # past stock's steps
     assert {r.lr for r in plan if r.stages == 8} == {3e-3, 1e-3, 9e-3}  # best and best/3 (and the sweep's)
     assert {r.seed for r in plan if r.stages == 32} == {1234}  # COVERAGE: the first seed only at P = 32
+    muon = [r for r in plan if r.optimizer == "muon"]
+    assert {(r.stages, r.engine) for r in muon} == {(8, e) for e in ("stock", "paci", "lookahead")} and len(muon) == 9
     first_tier = [r for r in plan if r.seed == 1234 and r.lr == 3e-3]
     assert keys.index(first_tier[-1].key()) < keys.index(next(r.key() for r in plan if r.seed == 4321))
     for stages in grid.DEPTHS:  # the auto rule keeps drift <= 1 everywhere

@@ -49,7 +49,7 @@ import torch
 from deepspeed.runtime.pipe import schedule as ds
 
 from ds_paci.core import compat
-from ds_paci.core.config import auto_window
+from ds_paci.core.config import PACIConfig, auto_window
 from ds_paci.core.local_step import ParamAliases
 from ds_paci.core.lookahead import lookahead_for_torch_optimizer
 from ds_paci.core.schedule import LocalStep, PACIStream
@@ -332,19 +332,21 @@ def validation_loss(model, val_batches, micro_batches, device=None, autocast=Non
 
 def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="lookahead", window=None, lr=1e-3,
            betas=(0.9, 0.95), weight_decay=0.0, schedule="constant", warmup=20, cos_min_ratio=0.1, eval_every=100,
-           restore="recompute", echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
+           restore=None, echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
            autocast=None) -> ReplayResult:
     """Train ``model`` (an ``nn.Sequential`` of GPT-2 layers) on PACI streams; returns a :class:`ReplayResult`.
 
     ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`.
     ``evaluation``: an :class:`Evaluation` (default: every ``eval_every`` steps, draining first, as the
     engine). ``lr_scales``: per-stage factors on ``lr`` (default 1). ``optimizer``: ``adamw`` or ``muon``.
+    ``restore``: the look-ahead's restore mode (default: the engine's, ``PACIConfig.lookahead_restore``).
     ``device``: where ``model`` lives (batches are moved there); ``autocast``: a dtype to run forwards in
     (``torch.autocast``, e.g. ``torch.bfloat16`` on a GPU; fp32 master weights and optimizer state).
     Validation loss: :func:`validation_loss` over ``val_batches``.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    restore = restore or PACIConfig().lookahead_restore  # the engine's default
     evaluation = evaluation or Evaluation(every=eval_every)
     windows = stage_windows(window, stages, micro_batches)
     scales = list(lr_scales) if lr_scales is not None else [1.0] * stages
@@ -399,7 +401,7 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=None, help="default: 100 for main, 25 for the benchmark jobs")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data-seed", type=int, help="default: the seed for main, 7 for the benchmark jobs")
-    p.add_argument("--restore", choices=["recompute", "copy"], default="recompute")
+    p.add_argument("--restore", choices=["recompute", "copy"], default=None, help="default: the engine's")
     args = p.parse_args(argv)
     from ds_paci.workload.data import MicroBatchIterator, eval_micro_batches
     job = JOBS[args.job]

@@ -13,7 +13,8 @@ The grid (:func:`sweep_plan`), per depth ``P`` in :data:`DEPTHS`:
   ``best`` and ``best / 3`` (``best``: the lowest final loss of phase 1): stock, plain PACI and PACI +
   look-ahead with the ``"auto"`` window on both seeds, and PACI + look-ahead with every window of
   :data:`ALL_RULES` on the first seed. :data:`COVERAGE` says how many seeds and learning rates each
-  depth runs (all of them at P = 4 and 8; the first seed at the best learning rate at P = 16 and 32).
+  depth runs (all of them at P = 4 and 8; the first seed at the best learning rate at P = 16 and 32);
+* the Muon cells at P = 8 (:func:`muon_runs`).
 
 Every run of a depth trains :data:`STEPS` ``[P]`` ``train_batch`` calls (``M`` micro-batches each) of
 the same model (:data:`MODEL`, one block per stage); ``lookahead`` runs with the ``"auto"`` window and
@@ -195,8 +196,10 @@ def sweep_plan(results: dict, depths=DEPTHS, coverage=None) -> list:
         for i, lr in enumerate(lrs[:n_lrs]):
             for micro_batches in micro_batch_counts(stages):
                 for run in cell_runs(stages, micro_batches, lr, seeds=SEEDS[:n_seeds]):
-                    tier = 1 if i == 0 and run.seed == SEEDS[0][0] else 2 + i
+                    tier = 1 if i == 0 and run.seed == SEEDS[0][0] else 2 + 2 * i
                     plan.append((tier, stages, run))
+        if stages in MUON_DEPTHS:
+            plan += [(3, stages, run) for run in muon_runs(stages, lrs[0])]
     unique = {}
     for tier, stages, run in sorted(plan, key=lambda x: (x[0], x[1])):
         if _trained_longer(run).key() not in results:  # the same run trained past the common steps counts too
@@ -207,6 +210,21 @@ def sweep_plan(results: dict, depths=DEPTHS, coverage=None) -> list:
 def _trained_longer(run: SweepRun) -> SweepRun:
     steps = int(math.ceil(OVERRUN * run.common_steps)) if run.steps == run.common_steps else run.common_steps
     return dataclasses.replace(run, steps=steps)
+
+
+MUON_DEPTHS = (8, )
+
+
+def muon_runs(stages: int, lr: float) -> list:
+    """The Muon cells (torch.optim.Muon on the blocks' matrices, AdamW on the rest; ``adjust_lr_fn =
+    "match_rms_adamw"``, so the AdamW learning rates carry over): stock, plain PACI and PACI + look-ahead with
+    the ``"auto"`` window, first seed, at the best AdamW learning rate."""
+    runs = []
+    for M in micro_batch_counts(stages):
+        runs.append(make_run(stages, M, "stock", None, lr, SEEDS[0], optimizer="muon"))
+        runs.append(make_run(stages, M, "paci", rule_windows(PACI_RULE, stages, M), lr, SEEDS[0], optimizer="muon"))
+        runs.append(make_run(stages, M, "lookahead", auto_windows(stages, M), lr, SEEDS[0], optimizer="muon"))
+    return runs
 
 
 def run_cost(run: SweepRun) -> float:

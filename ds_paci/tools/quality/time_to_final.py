@@ -47,7 +47,7 @@ def replay_curve(shape: str, engine: str, lr: float, seed: int, data_seed: int, 
                     eval_micro_batches(val, job.micro_batch_size, job.seq_len,
                                        count=job.eval_batches * job.micro_batches),
                     steps, mode=ENGINES[engine], lr=lr, betas=(0.9, 0.999), weight_decay=0.0,
-                    evaluation=Evaluation(every=EVERY))
+                    evaluation=Evaluation(every=EVERY), restore="recompute")  # the stored runs' default
     return {"shape": shape, "engine": engine, "lr": lr, "seed": seed, "data_seed": data_seed, "steps": steps,
             "curve": result.curve, "seconds": round(result.seconds, 1), "loadavg": list(os.getloadavg())}
 
