@@ -127,8 +127,8 @@ def stage_windows(window, stages: int, micro_batches: int) -> list:
     sequence of ``stages`` ints."""
     if window is None:
         return [micro_batches] * stages
-    if window == "auto":
-        return [auto_window(stages, micro_batches) for _ in range(stages)]
+    if window == "auto":  # per stage, as the engine without tied layers across stages
+        return [auto_window(stages, micro_batches, s) for s in range(stages)]
     if isinstance(window, int):
         return [window] * stages
     windows = [int(a) for a in window]
