@@ -115,3 +115,25 @@ def test_initialize_refuses_unsupported_runs_on_every_rank():
     else:
         assert out["bf16_stock_optimizer"] == "BF16_Optimizer" and not compat.DS_BF16_GETS_UNFUSED
         assert out["bf16"] is None, out["bf16"]
+
+
+def test_auto_window_is_per_stage_unless_tied_layers_span_stages_or_sync_mode():
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from ds_paci.core.engine import PACIPipelineEngine
+
+    def engine(stage, tied, sync=False):
+        layer = torch.nn.Identity
+        specs = [TiedLayerSpec("e", layer) if tied else LayerSpec(layer)] + [LayerSpec(layer)] * 6 + \
+            [TiedLayerSpec("e", layer) if tied else LayerSpec(layer)]
+        module = SimpleNamespace(parts=list(range(9)), _layer_specs=specs, num_stages=8)
+        paci = parse_paci_section({"enabled": True, "accumulation_window": "auto", "drain_every_batch": sync})
+        return SimpleNamespace(paci=paci, micro_batches=4, num_stages=8, stage_id=stage, module=module)
+
+    window = PACIPipelineEngine._configured_window
+    assert [window(engine(s, tied=False)) for s in range(8)] == [7, 6, 5, 4, 4, 4, 4, 4]
+    assert [window(engine(s, tied=True)) for s in range(8)] == [7] * 8  # tied owners step together
+    assert [window(engine(s, tied=False, sync=True)) for s in range(8)] == [7] * 8

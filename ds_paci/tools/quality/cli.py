@@ -3,7 +3,8 @@
 ``sweep`` runs (or resumes) the depth x batch sweep of :mod:`ds_paci.tools.quality.grid` on the replay,
 appending one JSON line per finished run to ``<out>/runs.jsonl``; ``report`` writes the tables;
 ``time-to-final`` runs the PACI engines of the benchmark's P = 4 and P = 8 curve study past stock's step count
-(:mod:`ds_paci.tools.quality.time_to_final`); ``larger`` the 8 x 256 model (:mod:`ds_paci.tools.quality.larger`).
+(:mod:`ds_paci.tools.quality.time_to_final`); ``larger`` the 8 x 256 model (:mod:`ds_paci.tools.quality.larger`); ``doc`` assembles
+``docs/results/quality.md`` from the hand-written ``intro.md``/``findings.md`` of ``--out`` and every table.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_paci.tools.quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["sweep", "report", "time-to-final", "larger"], required=True)
+    p.add_argument("--part", choices=["sweep", "report", "time-to-final", "larger", "doc"], required=True)
     p.add_argument("--out", default="docs/results/quality")
     p.add_argument("--workers", type=int, default=2, help="replay processes at once")
     p.add_argument("--depths", type=int, nargs="*", help="only these P (default: all of grid.DEPTHS)")
@@ -23,6 +24,10 @@ def main(argv=None) -> int:
         from .sweep import run_sweep
         run_sweep(args.out, workers=args.workers, depths=tuple(args.depths) if args.depths else None,
                   echo=lambda line: print(line, flush=True))
+        return 0
+    if args.part == "doc":
+        from .report import assemble_doc
+        assemble_doc(args.out)
         return 0
     if args.part == "larger":
         from . import larger

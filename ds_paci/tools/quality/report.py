@@ -195,3 +195,37 @@ def write_report(out: str, rules=("auto", "a=max(M,P-1)")) -> str:
     with open(os.path.join(out, "sweep.md"), "w") as f:
         f.write(markdown)
     return markdown
+
+
+def confirmations_table(out: str) -> str:
+    """Engine confirmations (``<out>/confirmations.jsonl``, lines of ``python -m ds_paci.tools.replay_check``)."""
+    import json
+    path = os.path.join(out, "confirmations.jsonl")
+    rows = [json.loads(x) for x in open(path).read().splitlines() if x.strip()] if os.path.exists(path) else []
+    lines = ["| P | M | mode | window | steps | engine windows | per-call losses identical | validation gap | weights "
+             "identical | engine final | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["spec"]
+        lines.append(f"| {s['stages']} | {s['micro_batches']} | {s['mode']} | {s['window']} | {s['steps']} | "
+                     f"{window_label(r['windows']['engine'])} | {'yes' if r['call_losses_identical'] else 'NO'} | "
+                     f"{r['curve_gap']:.3g} | {'yes' if r['weights_identical'] else 'NO'} | {r['engine_final']:.4f} | "
+                     f"{r['loadavg'][0]:.1f} |")
+    return "\n".join(lines) if rows else "(none stored yet)"
+
+
+def assemble_doc(out: str, target: str = "docs/results/quality.md") -> str:
+    """``target`` from ``<out>/intro.md``, ``<out>/findings.md`` (hand-written) and the generated tables."""
+    def read(name):
+        path = os.path.join(out, name)
+        return open(path).read().strip() if os.path.exists(path) else f"({name}: not generated yet)"
+
+    def demote(text):  # the generated pages' headings one level down
+        return "\n".join("#" + line if line.startswith("#") else line for line in text.splitlines())
+
+    write_report(out)
+    parts = [read("intro.md"), read("findings.md"), demote(read("sweep.md")), demote(read("time_to_final.md")),
+             demote(read("larger.md")), "## Engine confirmations of sweep cells", "", confirmations_table(out), ""]
+    markdown = "\n\n".join(parts)
+    with open(target, "w") as f:
+        f.write(markdown)
+    return markdown
