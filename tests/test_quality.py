@@ -78,3 +78,36 @@ def test_sweep_runs_resume_from_their_json_lines(tmp_path):
     assert la["final"] == dict((s, v) for s, v in la["curve"])[4]  # read at the common step count
     sweep.run_sweep(str(tmp_path), workers=1, plan_fn=plan, echo=lines.append, model=small)  # nothing left
     assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 2 and len(lines) == 2
+
+
+def test_time_to_final_report_checks_the_replay_against_the_stored_engine_curves(tmp_path):
+    from ds_paci.tools.quality import time_to_final as ttf
+    source, out = tmp_path / "stored", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    stock = [(s, 3.0 - s / 300) for s in range(0, 301, 25)]  # ends at 2.0
+    paci = [(s, 3.0 - s / 330) for s in range(0, 451, 25)]  # reaches 2.0 at step 330
+    for shape in ttf.SHAPES:
+        runs = {}
+        for lr in ttf.LRS:
+            for seed, data_seed in ttf.SEEDS:
+                for engine, curve in (("stock", stock), ("paci", paci), ("paci+lookahead", paci)):
+                    runs[f"lr={lr:g} seed={seed} data_seed={data_seed} engine={engine}"] = {
+                        "validation": [{"step": s, "loss": v} for s, v in curve if s <= 300]}
+        (source / f"{shape}_curves.json").write_text(json.dumps({"runs": runs}))
+        spb = {e: {"median": m} for e, m in (("stock", 2.0), ("paci", 1.0), ("paci+lookahead", 1.0))}
+        (source / f"{shape}.json").write_text(json.dumps({"comparison": {"seconds_per_batch": spb}}))
+    lines = []
+    seed, data_seed = ttf.SEEDS[0]
+    for engine in ("paci", "paci+lookahead"):
+        curve = paci if engine == "paci" else [(s, v + (1e-3 if s == 100 else 0)) for s, v in paci]
+        lines.append({"key": ttf._key(ttf.SHAPES[0], engine, ttf.LRS[0], seed), "shape": ttf.SHAPES[0],
+                      "engine": engine, "lr": ttf.LRS[0], "seed": seed, "data_seed": data_seed, "curve": curve})
+    (out / "time_to_final.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    agreement = {a["key"].split()[1]: a for a in ttf.engine_agreement({x["key"]: x for x in lines}, str(source))}
+    assert agreement["paci"]["identical"] and not agreement["paci+lookahead"]["identical"]
+    assert abs(agreement["paci+lookahead"]["gap"] - 1e-3) < 1e-9
+    markdown = ttf.write_report(str(out), str(source))
+    assert "1 of 2 runs identical" in markdown and "PACI runs pending" in markdown
+    # stock's final loss (2.0 at step 300, 2 s per batch) reached at step 330 at 1 s per batch: 1.82x sooner
+    assert "| 0.002 | 300 (100%) | 2.0000 | PACI | 330 | 330.0 s | 1.82x |" in markdown
