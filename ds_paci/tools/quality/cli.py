@@ -26,7 +26,7 @@ def main(argv=None) -> int:
                   echo=lambda line: print(line, flush=True))
         return 0
     if args.part == "doc":
-        from .report import assemble_doc
+        from .doc import assemble_doc
         assemble_doc(args.out)
         return 0
     if args.part == "larger":

@@ -15,6 +15,7 @@ import statistics
 from .grid import (ALL_RULES, DEPTHS, FIXED_RULES, PACI_RULE, SEEDS, SWEEP_LRS, cell_lrs, lr_sweep_runs, make_run,
                    micro_batch_counts, rule_windows, window_label)
 from .sweep import load_results
+from ds_paci.tools.bench.analysis import loss_at_step
 
 RULE_TOLERANCE = 0.005  # "auto" within 0.5% of the best fixed window
 STOCK_TOLERANCE = 0.01  # and within 1% of stock
@@ -153,8 +154,8 @@ def time_to_final_table(summaries: list, rule: str = "auto") -> str:
                 n = stock["steps"]
                 cols = []
                 for frac in (0.25, 0.5, 0.75):
-                    target = dict(stock["curve"]).get(int(n * frac))
-                    got = None if target is None else steps_to(row["curve"], target)
+                    target = loss_at_step(stock["curve"], n * frac)
+                    got = steps_to(row["curve"], target)
                     cols.append("-" if got is None else f"{got:.0f}")
                 got = steps_to(row["curve"], stock["final"])
                 if got is None:
@@ -196,36 +197,3 @@ def write_report(out: str, rules=("auto", "a=max(M,P-1)")) -> str:
         f.write(markdown)
     return markdown
 
-
-def confirmations_table(out: str) -> str:
-    """Engine confirmations (``<out>/confirmations.jsonl``, lines of ``python -m ds_paci.tools.replay_check``)."""
-    import json
-    path = os.path.join(out, "confirmations.jsonl")
-    rows = [json.loads(x) for x in open(path).read().splitlines() if x.strip()] if os.path.exists(path) else []
-    lines = ["| P | M | mode | window | steps | engine windows | per-call losses identical | validation gap | weights "
-             "identical | engine final | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        s = r["spec"]
-        lines.append(f"| {s['stages']} | {s['micro_batches']} | {s['mode']} | {s['window']} | {s['steps']} | "
-                     f"{window_label(r['windows']['engine'])} | {'yes' if r['call_losses_identical'] else 'NO'} | "
-                     f"{r['curve_gap']:.3g} | {'yes' if r['weights_identical'] else 'NO'} | {r['engine_final']:.4f} | "
-                     f"{r['loadavg'][0]:.1f} |")
-    return "\n".join(lines) if rows else "(none stored yet)"
-
-
-def assemble_doc(out: str, target: str = "docs/results/quality.md") -> str:
-    """``target`` from ``<out>/intro.md``, ``<out>/findings.md`` (hand-written) and the generated tables."""
-    def read(name):
-        path = os.path.join(out, name)
-        return open(path).read().strip() if os.path.exists(path) else f"({name}: not generated yet)"
-
-    def demote(text):  # the generated pages' headings one level down
-        return "\n".join("#" + line if line.startswith("#") else line for line in text.splitlines())
-
-    write_report(out)
-    parts = [read("intro.md"), read("findings.md"), demote(read("sweep.md")), demote(read("time_to_final.md")),
-             demote(read("larger.md")), "## Engine confirmations of sweep cells", "", confirmations_table(out), ""]
-    markdown = "\n\n".join(parts)
-    with open(target, "w") as f:
-        f.write(markdown)
-    return markdown
