@@ -122,14 +122,15 @@ def write_report(out: str, source: str = LOOKAHEAD_DIR) -> str:
                     row = done.get(_key(shape, engine, lr, seed))
                     if row is not None:
                         runs[(lr, seed, engine)] = [tuple(p) for p in row["curve"]]
-        for lr in LRS:  # the seeds on which every engine ran (the rest are pending)
-            seeds = [s for s, _ in SEEDS if all((lr, s, e) in runs for e in BENCH_ENGINES)]
+        for lr in LRS:  # the seeds the look-ahead ran on, the engines that ran on all of them (the rest pending)
+            seeds = [s for s, _ in SEEDS if (lr, s, "paci+lookahead") in runs]
+            engines = [e for e in BENCH_ENGINES if seeds and all((lr, s, e) in runs for s in seeds)]
             if not seeds:
                 lines += [f"### {shape}, lr {lr:g}: PACI runs pending", ""]
                 continue
-            comparison = study_comparison(runs, [lr], seeds, BENCH_ENGINES, STEPS, spb)
+            comparison = study_comparison(runs, [lr], seeds, engines, STEPS, spb)
             lines += [study_tables(f"{shape}, lr {lr:g}, seeds {', '.join(map(str, seeds))} (times: measured seconds "
-                                   f"per batch, emulated)", comparison, BENCH_ENGINES, seeds), ""]
+                                   f"per batch, emulated)", comparison, engines, seeds), ""]
     markdown = "\n".join(lines)
     with open(os.path.join(out, "time_to_final.md"), "w") as f:
         f.write(markdown)
