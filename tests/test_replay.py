@@ -48,3 +48,19 @@ def test_paci_replays_differ_from_sync_and_the_lookahead_predicts_the_crossing_f
     crossing = sum(1 for t in ticks for i in t if isinstance(i, ds.ForwardPass) and i.crosses_step)
     assert stats["lookahead"][0]["predicted_forwards"] == crossing == STEPS - 1
     assert stats["lookahead"][1]["predicted_forwards"] == 0 and stats["paci"][0]["predicted_forwards"] == 0
+
+
+def test_validations_without_draining_leave_the_training_unchanged_and_windows_are_per_stage():
+    from ds_paci.tools.replay import Evaluation
+    runs = {}
+    for name, evaluation in (("none", Evaluation(every=0)), ("peek", Evaluation(every=1, drains=False)),
+                             ("drain", Evaluation(every=1, drains=True))):
+        model, data, val, _ = _setup()
+        runs[name] = replay(model, P, M, data, val, STEPS, mode="lookahead", window=[3, 2], lr=1e-2,
+                            evaluation=evaluation)
+    assert runs["peek"].curve[-1] == runs["none"].curve[-1] and runs["peek"].call_losses == runs["none"].call_losses
+    assert len(runs["peek"].curve) == STEPS + 1 and len(runs["none"].curve) == 2
+    assert runs["drain"].curve[-1] != runs["none"].curve[-1]  # a drain per validation steps partial windows
+    # 8 micro-batches per stage: stage 0 (a = 3) steps twice and closes a partial window at the end, stage 1 (a = 2)
+    assert runs["none"].local_steps == [3, 4] and runs["none"].windows == [3, 2]
+    assert runs["drain"].local_steps[0] > 3
