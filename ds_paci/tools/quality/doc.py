@@ -30,7 +30,7 @@ def assemble_doc(out: str, target: str = "docs/results/quality.md") -> str:
     """``target`` from ``<out>/intro.md``, ``<out>/findings.md`` (hand-written) and the generated tables."""
     def read(name):
         path = os.path.join(out, name)
-        return open(path).read().strip() if os.path.exists(path) else f"({name}: not generated yet)"
+        return open(path).read().strip() if os.path.exists(path) else f"({name}: not generated yet; see \"Not measured in this round\")"
 
     def demote(text):  # the generated pages' headings one level down
         return "\n".join("#" + line if line.startswith("#") else line for line in text.splitlines())
