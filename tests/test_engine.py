@@ -167,10 +167,8 @@ def test_micro_batches_crossing_a_local_step_get_the_paci_gradient(stages, windo
     layers, gas, calls, lr = 2 * stages, 2, 5, 0.2
     results = run_world(workers.mlp_training, stages, stages, layers, gas, window, calls, lr, timeout=180,
                         log_dir=str(tmp_path))
-    # SGD: the look-ahead (on by default) stays off, says so once (rank 0), and PACI's gradient is unchanged
+    # plain PACI ("lookahead": false; the look-ahead's own tests: tests/test_lookahead*.py)
     assert all(not r["stats"]["lookahead"]["enabled"] for r in results)
-    log = open(tmp_path / "rank0.log").read()
-    assert log.count("look-ahead off: optimizer SGD is not Adam/AdamW") == 1, log[-2000:]
     W, _ = reference_paci_mlp(stages, layers, gas, window, calls, lr)
     W_stale, _ = reference_paci_mlp(stages, layers, gas, window, calls, lr, stale=True)
     assert results[0]["stats"]["max_drift"] >= 1, "no micro-batch crossed a local step: the test would be vacuous"

@@ -208,3 +208,19 @@ def test_a_non_finite_window_gradient_predicts_nothing():
     with la.applied(1, 2):
         assert torch.equal(a, real[0]) and torch.equal(b, real[1])
     assert la.stats()["nonfinite_forwards"] == 1 and la.stats()["predicted_forwards"] == 1
+
+
+def test_the_cost_and_error_script_runs(tmp_path):
+    """Smoke run of scripts/lookahead_costs.py (tiny sizes): its error figures hold (the clip predicted: exact;
+    ignored: far off), so the script behind the README's table cannot rot."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "costs.json"
+    subprocess.run([sys.executable, "scripts/lookahead_costs.py", "--smoke", "--optimizers", "muon_adamw",
+                    "--out", str(out)], check=True, timeout=300, capture_output=True)
+    rows = json.loads(out.read_text())["optimizers"]
+    for kind, row in rows.items():
+        assert row["errors"]["no clipping"]["max"] < 1e-5 and row["errors"]["clipping, predicted"]["max"] < 1e-5
+        assert row["errors"]["clipping, ignored"]["median"] > 0.1 and row["errors"]["clipping, ignored"]["clip_coef_max"] < 1
+        assert row["costs"]["copy"] > 0 and row["costs"]["copy_bytes"] == 4 * row["costs"]["parameters"]

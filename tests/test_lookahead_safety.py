@@ -124,8 +124,8 @@ def test_an_engine_whose_prediction_forward_or_restore_fails_has_its_real_weight
 def test_data_parallel_replicas_stay_bit_identical_with_the_lookahead_on():
     """P = 2 x DP = 2, torch.optim AdamW, each replica its own data, "lookahead_restore": "recompute" asked for:
     the engine restores by copy there, and after every call the two replicas of each stage hold the same weights
-    and optimizer state bit for bit. (With the recompute restore, 86-198 of stage 0's 544 weights differed.)"""
-    results = run_world(lw.replicas, 4, 2, 2, 6, "recompute", timeout=300)
+    and optimizer state bit for bit. (With the recompute restore, 86-168 of stage 0's 544 weights differed.)"""
+    results = run_world(lw.replicas, 4, 2, 2, 4, "recompute", timeout=300)
     by_stage = {}
     for r in results:
         by_stage.setdefault(r["stage"], {})[r["dp"]] = r
@@ -136,4 +136,4 @@ def test_data_parallel_replicas_stay_bit_identical_with_the_lookahead_on():
         assert len(a["state"]) == len(b["state"]) > 0 and all(torch.equal(s, t) for s, t in zip(a["state"],
                                                                                               b["state"]))
         assert a["stats"]["restore"] == "copy"
-    assert by_stage[0][0]["stats"]["predicted_forwards"] == 5  # one crossing forward per call after the first
+    assert by_stage[0][0]["stats"]["predicted_forwards"] == 3  # one crossing forward per call after the first

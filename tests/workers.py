@@ -210,7 +210,9 @@ def pairing(rank, stages, gas, batches, fresh_iterator_per_call):
 def mlp_training(rank, stages, layers, gas, window, calls, lr, bf16=False, client="sgd", tied=False):
     from mlp import mlp_pipeline, regression_batches
     model = mlp_pipeline(stages, layers=layers, tied=tied)
-    cfg = ds_config(gas, {"enabled": True, "accumulation_window": window}, bf16=bf16, optimizer=client != "sgd")
+    # plain PACI (no look-ahead): the hand-written references follow the streams without predictions
+    cfg = ds_config(gas, {"enabled": True, "accumulation_window": window, "lookahead": False}, bf16=bf16,
+                    optimizer=client != "sgd")
     if client == "sgd":
         engine, *_ = ds_paci.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr), config=cfg)
     else:

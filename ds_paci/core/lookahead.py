@@ -418,20 +418,22 @@ FALLBACK = ("training continues with plain PACI: forwards that cross a local ste
             "see README, \"The look-ahead\")")
 
 
-def lookahead_for_torch_optimizer(optimizer, aliases, restore="copy", max_norm=0.0):
+def lookahead_for_torch_optimizer(optimizer, aliases, restore="copy", max_norm=0.0, clip_params=None):
     """A :class:`LookAhead` over fp32 parameters stepped by ``optimizer`` through ``aliases``
     (:class:`~ds_paci.core.local_step.ParamAliases`), or ``None`` if that optimizer is not predicted
     (:func:`~ds_paci.core.lookahead_rules.rule_reader` says why).
 
     For programs that run stage-local steps outside the engine (the single-process replay): a
     parameter without a gradient is skipped, as ``torch.optim`` skips it. ``max_norm`` > 0: the
-    caller clips the window's gradient to that norm (``torch.nn.utils.clip_grad_norm_`` over the
-    aliased parameters) before each step, and the prediction does the same.
+    caller scales the window's gradient by ``max_norm / (norm + 1e-6)`` when that is below 1
+    (DeepSpeed's formula; ``norm``: the 2-norm of the gradients of ``clip_params``, default the
+    aliased parameters; pass all of a stage's parameters when several optimizers share them)
+    before each step, and the prediction does the same.
     """
     slots, reason = torch_slots(optimizer, aliases)
     if reason:
         return None
-    params = [p for p, _ in aliases.pairs]
+    params = list(clip_params) if clip_params is not None else [p for p, _ in aliases.pairs]
     clip = ClipSource(lambda: float(max_norm), lambda: _norm_of(p.grad for p in params)) if max_norm > 0 else None
     return LookAhead(slots, restore, "torch", clip)
 
