@@ -199,11 +199,16 @@ def main(argv=None) -> int:
         print("gpu_quality_check: no CUDA device; run with --dry-run on a CPU", file=sys.stderr)
         return 2
     device, size = ("cpu", "dry") if args.dry_run else ("cuda", "gpu")
+    if args.dry_run:  # tiny ops on a shared CPU: more threads only spin against each other
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     began = time.time()
-    result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)",
-              "replay_bf16": replay_bf16(device, size), "block_times_gpt2_medium": block_times(device, size),
-              "predictor": predictor_checks(device)}
+    result = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu (dry run)", "part_seconds": {}}
+    for name, part in (("replay_bf16", replay_bf16), ("block_times_gpt2_medium", block_times),
+                       ("predictor", lambda d, _: predictor_checks(d))):
+        started = time.time()
+        result[name] = part(device, size)
+        result["part_seconds"][name] = round(time.time() - started, 1)
     result["seconds"] = time.time() - began
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_quality.json"), "w") as f:
@@ -211,7 +216,7 @@ def main(argv=None) -> int:
     failed = [k for k, v in result["predictor"].items() if not v.get("ok", False)]
     print(json.dumps({"finals": {k: v["final"] for k, v in result["replay_bf16"]["engines"].items()},
                       "block_seconds": result["block_times_gpt2_medium"]["seconds"], "predictor_failed": failed,
-                      "seconds": round(result["seconds"], 1)}))
+                      "seconds": round(result["seconds"], 1), "part_seconds": result["part_seconds"]}))
     return 1 if failed else 0
 
 

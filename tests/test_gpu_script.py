@@ -7,6 +7,7 @@ the predictor equal to the next step of fused AdamW, FusedAdam and a bf16 PACI e
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_quality_check
 
 def test_gpu_quality_script_dry_run_produces_every_part(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_quality.json").read_text())
     engines = result["replay_bf16"]["engines"]

@@ -31,11 +31,16 @@ def test_plan_runs_phase_one_first_then_every_cell_with_every_window():
     auto = [r for r in cell if r.engine == "lookahead" and list(r.windows) == grid.auto_windows(8, 4)]
     assert {r.steps for r in auto} == {int(1.5 * grid.STEPS[8])} and len(auto) == 2  # past stock's steps
     assert {r.lr for r in plan if r.stages == 8} == {3e-3, 1e-3, 9e-3}  # best and best/3 (and the sweep's)
-    assert {r.seed for r in plan if r.stages == 32} == {1234}  # COVERAGE: the first seed only at P = 32
+    assert {(r.seed, r.lr) for r in plan if r.stages == 32 and r.micro_batches == 64} == {
+        (seed, lr) for seed, _ in grid.SEEDS for lr in (3e-3, 1e-3)}  # the whole grid, every depth
     muon = [r for r in plan if r.optimizer == "muon"]
     assert {(r.stages, r.engine) for r in muon} == {(8, e) for e in ("stock", "paci", "lookahead")} and len(muon) == 9
+    # order: the first seed at the best lr (every depth), Muon, the second seed there, then the other lr
     first_tier = [r for r in plan if r.seed == 1234 and r.lr == 3e-3 and r.optimizer == "adamw"]
-    assert keys.index(first_tier[-1].key()) < keys.index(next(r.key() for r in plan if r.seed == 4321))
+    assert keys.index(first_tier[-1].key()) < keys.index(muon[0].key())
+    assert keys.index(muon[-1].key()) < keys.index(next(r.key() for r in plan if r.seed == 4321))
+    assert keys.index(next(r.key() for r in plan if r.seed == 4321 and r.lr == 3e-3)) < keys.index(
+        next(r.key() for r in plan if r.lr == 1e-3 and r.micro_batches != r.stages))
     for stages in grid.DEPTHS:  # the auto rule keeps drift <= 1 everywhere
         for M in grid.micro_batch_counts(stages):
             assert all(drift_bound(stages, s, a) <= 1 for s, a in enumerate(grid.auto_windows(stages, M)))

@@ -19,6 +19,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="docs/results/quality")
     p.add_argument("--workers", type=int, default=2, help="replay processes at once")
     p.add_argument("--depths", type=int, nargs="*", help="only these P (default: all of grid.DEPTHS)")
+    p.add_argument("--runs", nargs="*", help="with --part larger: only these runs (names of larger.RUNS)")
     args = p.parse_args(argv)
     if args.part == "sweep":
         from .sweep import run_sweep
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
         return 0
     if args.part == "larger":
         from . import larger
-        larger.run_all(args.out, echo=lambda line: print(line, flush=True))
+        larger.run_all(args.out, echo=lambda line: print(line, flush=True), names=args.runs)
         print(larger.write_report(args.out))
         return 0
     if args.part == "time-to-final":

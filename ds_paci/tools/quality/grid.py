@@ -13,7 +13,7 @@ The grid (:func:`sweep_plan`), per depth ``P`` in :data:`DEPTHS`:
   ``best`` and ``best / 3`` (``best``: the lowest final loss of phase 1): stock, plain PACI and PACI +
   look-ahead with the ``"auto"`` window on both seeds, and PACI + look-ahead with every window of
   :data:`ALL_RULES` on the first seed. :data:`COVERAGE` says how many seeds and learning rates each
-  depth runs (all of them at P = 4 and 8; the first seed at the best learning rate at P = 16 and 32);
+  depth runs (both of each everywhere);
 * the Muon cells at P = 8 (:func:`muon_runs`).
 
 Every run of a depth trains :data:`STEPS` ``[P]`` ``train_batch`` calls (``M`` micro-batches each) of
@@ -34,9 +34,8 @@ DEPTHS = (4, 8, 16, 32)
 STEPS = {4: 240, 8: 240, 16: 120, 32: 60}
 SWEEP_LRS = (1e-3, 3e-3, 9e-3)
 SEEDS = ((1234, 7), (4321, 8))
-#: How much of the grid a depth runs: (seeds, learning rates). The issue's grid is (2, 2) everywhere; on this
-#: 2-core machine shared by several agents, P = 16 and 32 run the first seed at the best learning rate only.
-COVERAGE = {4: (2, 2), 8: (2, 2), 16: (1, 1), 32: (1, 1)}
+#: How much of the grid a depth runs: (seeds, learning rates): the issue's grid, both of each at every depth.
+COVERAGE = {4: (2, 2), 8: (2, 2), 16: (2, 2), 32: (2, 2)}
 OVERRUN = 1.5
 OVERRUN_DEPTHS = (4, 8)
 EVALS_PER_RUN = 10  # validations (without draining) at every STEPS/EVALS_PER_RUN steps
@@ -182,9 +181,15 @@ def cell_runs(stages: int, micro_batches: int, lr: float, optimizer: str = "adam
     return runs
 
 
+#: Run order of phase 2, by (learning rate index, second seed): the first seed at the best learning rate (every
+#: window), the Muon cells (tier 2), the second seed at the best learning rate (stock, PACI, "auto"), the first
+#: seed at the other learning rate (every window), its second seed.
+_TIERS = {(0, False): 1, (0, True): 3, (1, False): 4, (1, True): 5}
+
+
 def sweep_plan(results: dict, depths=DEPTHS, coverage=None) -> list:
     """Every run that can start now (phase 1 always; phase 2 of a depth once its phase 1 is in ``results``),
-    in priority order: phase 1, then every depth's first seed at the best learning rate, then the rest."""
+    in priority order: phase 1, then the tiers of :data:`_TIERS`, shallow depths first within a tier."""
     coverage = coverage or COVERAGE
     plan = []
     for stages in depths:
@@ -196,10 +201,10 @@ def sweep_plan(results: dict, depths=DEPTHS, coverage=None) -> list:
         for i, lr in enumerate(lrs[:n_lrs]):
             for micro_batches in micro_batch_counts(stages):
                 for run in cell_runs(stages, micro_batches, lr, seeds=SEEDS[:n_seeds]):
-                    tier = 1 if i == 0 and run.seed == SEEDS[0][0] else 2 + 2 * i
-                    plan.append((tier, stages, run))
+                    second_seed = run.seed != SEEDS[0][0]
+                    plan.append((_TIERS[(i, second_seed)], stages, run))
         if stages in MUON_DEPTHS:
-            plan += [(3, stages, run) for run in muon_runs(stages, lrs[0])]
+            plan += [(2, stages, run) for run in muon_runs(stages, lrs[0])]
     unique = {}
     for tier, stages, run in sorted(plan, key=lambda x: (x[0], x[1])):
         if _trained_longer(run).key() not in results:  # the same run trained past the common steps counts too

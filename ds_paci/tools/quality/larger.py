@@ -21,7 +21,7 @@ STEPS, OVERRUN, EVERY, VAL_MICRO_BATCHES, LR, SEED, DATA_SEED = 1000, 1.5, 50, 1
 RUNS = (("stock", "sync", None), ("paci+lookahead a=M", "lookahead", None), ("paci+lookahead auto", "lookahead", "auto"))
 
 
-def run_one(name: str, mode: str, window) -> dict:
+def run_one(name: str, mode: str, window, echo=None) -> dict:
     import torch
 
     from ds_paci.tools.replay import Evaluation, load_tokens, replay, stage_windows
@@ -34,22 +34,24 @@ def run_one(name: str, mode: str, window) -> dict:
     steps = STEPS if mode == "sync" else math.ceil(OVERRUN * STEPS)
     result = replay(model, STAGES, MICRO_BATCHES, MicroBatchIterator(train, MICRO_BATCH_SIZE, SEQ_LEN, seed=DATA_SEED),
                     eval_micro_batches(val, MICRO_BATCH_SIZE, SEQ_LEN, count=VAL_MICRO_BATCHES), steps, mode=mode,
-                    window=window, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, evaluation=Evaluation(every=EVERY))
+                    window=window, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, evaluation=Evaluation(every=EVERY), echo=echo)
     return {"name": name, "mode": mode, "windows": stage_windows(window, STAGES, MICRO_BATCHES), "steps": steps,
             "curve": result.curve, "lookahead": result.lookahead, "seconds": round(result.seconds, 1),
             "loadavg": list(os.getloadavg())}
 
 
-def run_all(out: str, echo=print) -> dict:
+def run_all(out: str, echo=print, names=None) -> dict:
+    """Every run of :data:`RUNS` (or only ``names``) not yet in ``<out>/larger.jsonl``; returns all stored runs.
+    Runs of different names may go in separate processes at once (each appends its one line when done)."""
     path = os.path.join(out, "larger.jsonl")
     done = {}
     if os.path.exists(path):
         with open(path) as f:
             done = {r["name"]: r for r in map(json.loads, filter(str.strip, f))}
     for name, mode, window in RUNS:
-        if name in done:
+        if name in done or (names and name not in names):
             continue
-        row = run_one(name, mode, window)
+        row = run_one(name, mode, window, echo=lambda line: echo(f"{name}: {line}"))
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
         done[name] = row
