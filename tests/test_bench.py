@@ -247,6 +247,22 @@ def test_study_comparison_times_each_engine_to_stocks_losses():
     assert analysis.loss_at_step([(0, 5.0), (10, 4.0)], 2.5) == pytest.approx(4.75)
 
 
+def test_engines_trained_past_stocks_steps_are_compared_at_stocks_step_and_timed_to_its_final_loss():
+    runs = {(1e-3, 1, "stock"): [(0, 5.0), (100, 3.0), (200, 2.6)],
+            (1e-3, 1, "paci"): [(0, 5.0), (100, 3.2), (200, 2.7), (300, 2.5)],  # reaches 2.6 at step 250
+            (1e-3, 1, "paci+lookahead"): [(0, 5.0), (100, 3.0), (200, 2.65), (300, 2.62)]}  # never does
+    out = analysis.study_comparison(runs, [1e-3], [1], config.ENGINES, 200,
+                                    {"stock": 2.0, "paci": 1.0, "paci+lookahead": 1.0})[1e-3]
+    assert out["paci"]["final"]["per_seed"] == [2.7]  # read at stock's step count, not at the curve's end
+    final = out["paci"]["targets"][-1]
+    assert final["steps"] == [pytest.approx(250)] and final["speedup"]["median"] == pytest.approx(400 / 250)
+    missed = out["paci+lookahead"]["targets"][-1]
+    assert missed["steps"] == [None] and missed["lowest_at"] == [300]
+    assert missed["short_by"] == [pytest.approx(0.02 / 2.6)]
+    table = report.study_tables("x", {1e-3: out}, config.ENGINES, [1])
+    assert "not reached (+0.77% above at step 300)" in table
+
+
 def test_measured_values_print_with_their_unit():
     assert report.format_measured(None, "ratio") == "not reached"
     assert report.format_measured(1.8123, "ratio") == "1.812"
@@ -316,7 +332,8 @@ def test_smoke_preset_writes_json_markdown_and_plots(tmp_path, tied):
     # the curve study: untimed runs per learning rate and seed (resumable), then the report with throughput-based times
     assert cli.main(["--study", "smoke", "--part", "curves", "--out", str(out)]) == 0
     stored = json.loads((out / f"{name}_curves.json").read_text())["runs"]
-    assert len(stored) == 3 and all(r["validation"][-1]["step"] == 6 for r in stored.values())
+    assert len(stored) == 3 and all(r["validation"][-1]["step"] == (6 if r["engine"] == "stock" else 9)
+                                    for r in stored.values())  # the smoke study trains PACI engines 1.5x longer
     assert cli.main(["--study", "smoke", "--part", "curves", "--out", str(out)]) == 0  # nothing left to run
     assert json.loads((out / f"{name}_curves.json").read_text())["runs"] == stored
     assert cli.main(["--study", "smoke", "--part", "report", "--out", str(out)]) == 0

@@ -25,17 +25,24 @@ def test_defaults_and_valid_section():
     assert not off.lookahead and off.lookahead_restore == "copy"
 
 
-def test_auto_window_keeps_drift_at_most_one_with_the_least_change():
+def test_auto_window_keeps_drift_at_most_one_on_every_stage_within_its_floors():
     from ds_paci.core.config import auto_window
     from ds_paci.core.schedule import drift_bound
     auto = parse_paci_section({"enabled": True, "accumulation_window": "auto"})
-    for P in range(1, 17):
-        for M in range(1, 17):
-            a = auto.window(M, P)
-            assert a == auto_window(P, M)
-            assert all(drift_bound(P, s, a) <= 1 for s in range(P)), (P, M, a)
-            # a = M whenever M already bounds drift by 1; otherwise the smallest a that does
-            assert a == M if M >= P - 1 else (a == P - 1 and drift_bound(P, 0, a - 1) > 1)
+    for P in range(2, 17):
+        for M in range(1, 33):
+            windows = [auto.window(M, P, s) for s in range(P)]
+            assert windows == [auto_window(P, M, s) for s in range(P)]
+            assert all(drift_bound(P, s, a) <= 1 for s, a in enumerate(windows)), (P, M, windows)
+            if M < P - 1:  # never more steps than the stock engine; late stages step every M
+                assert windows == [max(M, P - 1 - s) for s in range(P)], (P, M, windows)
+            else:  # drift <= 1 with one window, at most twice the stock engine's steps
+                assert windows == [max(P - 1, -(-M // 2))] * P, (P, M, windows)
+            # one window for every stage (tied layers across stages, sync mode): stage 0's, drift <= 1 everywhere
+            uniform = auto.window(M, P)
+            assert uniform == windows[0] and all(drift_bound(P, s, uniform) <= 1 for s in range(P))
+    assert auto.window(8, 1) == 8  # one stage: no drift, the stock engine's window
+    assert [auto_window(8, 4, s) for s in range(8)] == [7, 6, 5, 4, 4, 4, 4, 4]  # issue 19's P = 8, M = 4 cell
 
 
 @pytest.mark.parametrize("section,needle", [
@@ -110,3 +117,25 @@ def test_initialize_refuses_unsupported_runs_on_every_rank():
     else:
         assert out["bf16_stock_optimizer"] == "BF16_Optimizer" and not compat.DS_BF16_GETS_UNFUSED
         assert out["bf16"] is None, out["bf16"]
+
+
+def test_auto_window_is_per_stage_unless_tied_layers_span_stages_or_sync_mode():
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from ds_paci.core.engine import PACIPipelineEngine
+
+    def engine(stage, tied, sync=False):
+        layer = torch.nn.Identity
+        specs = [TiedLayerSpec("e", layer) if tied else LayerSpec(layer)] + [LayerSpec(layer)] * 6 + \
+            [TiedLayerSpec("e", layer) if tied else LayerSpec(layer)]
+        module = SimpleNamespace(parts=list(range(9)), _layer_specs=specs, num_stages=8)
+        paci = parse_paci_section({"enabled": True, "accumulation_window": "auto", "drain_every_batch": sync})
+        return SimpleNamespace(paci=paci, micro_batches=4, num_stages=8, stage_id=stage, module=module)
+
+    window = PACIPipelineEngine._configured_window
+    assert [window(engine(s, tied=False)) for s in range(8)] == [7, 6, 5, 4, 4, 4, 4, 4]
+    assert [window(engine(s, tied=True)) for s in range(8)] == [7] * 8  # tied owners step together
+    assert [window(engine(s, tied=False, sync=True)) for s in range(8)] == [7] * 8

@@ -1,4 +1,5 @@
-"""The single-process replay tool (exploration only): sync mode is plain training, PACI modes follow the streams."""
+"""The single-process replay: sync mode is plain training, PACI modes follow the streams (the engine comparison is
+tests/test_replay_engine.py)."""
 
 import torch
 
@@ -20,7 +21,7 @@ def _setup(seed=3):
 
 def test_sync_replay_is_plain_training_with_gradient_accumulation():
     model, data, val, tokens = _setup()
-    curve, _ = replay(model, P, M, data, val, STEPS, mode="sync", lr=1e-2, eval_every=STEPS)
+    curve = replay(model, P, M, data, val, STEPS, mode="sync", lr=1e-2, eval_every=STEPS).curve
     ref, ref_data, _, _ = _setup()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     for _ in range(STEPS):
@@ -39,11 +40,27 @@ def test_paci_replays_differ_from_sync_and_the_lookahead_predicts_the_crossing_f
     finals, stats = {}, {}
     for mode in ("sync", "paci", "lookahead"):
         model, data, val, _ = _setup()
-        curve, stats[mode] = replay(model, P, M, data, val, STEPS, mode=mode, lr=1e-2, eval_every=STEPS)
-        finals[mode] = curve[-1][1]
+        result = replay(model, P, M, data, val, STEPS, mode=mode, lr=1e-2, eval_every=STEPS)
+        finals[mode], stats[mode] = result.curve[-1][1], result.lookahead
     assert finals["paci"] != finals["sync"] and finals["lookahead"] != finals["paci"]
     st = PACIStream(P, 0, M)
     ticks = [t for _ in range(STEPS) for t in st.advance(2 * M)]
     crossing = sum(1 for t in ticks for i in t if isinstance(i, ds.ForwardPass) and i.crosses_step)
     assert stats["lookahead"][0]["predicted_forwards"] == crossing == STEPS - 1
     assert stats["lookahead"][1]["predicted_forwards"] == 0 and stats["paci"][0]["predicted_forwards"] == 0
+
+
+def test_validations_without_draining_leave_the_training_unchanged_and_windows_are_per_stage():
+    from ds_paci.tools.replay import Evaluation
+    runs = {}
+    for name, evaluation in (("none", Evaluation(every=0)), ("peek", Evaluation(every=1, drains=False)),
+                             ("drain", Evaluation(every=1, drains=True))):
+        model, data, val, _ = _setup()
+        runs[name] = replay(model, P, M, data, val, STEPS, mode="lookahead", window=[3, 2], lr=1e-2,
+                            evaluation=evaluation)
+    assert runs["peek"].curve[-1] == runs["none"].curve[-1] and runs["peek"].call_losses == runs["none"].call_losses
+    assert len(runs["peek"].curve) == STEPS + 1 and len(runs["none"].curve) == 2
+    assert runs["drain"].curve[-1] != runs["none"].curve[-1]  # a drain per validation steps partial windows
+    # 8 micro-batches per stage: stage 0 (a = 3) steps twice and closes a partial window at the end, stage 1 (a = 2)
+    assert runs["none"].local_steps == [3, 4] and runs["none"].windows == [3, 2]
+    assert runs["drain"].local_steps[0] > 3

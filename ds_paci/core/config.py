@@ -22,8 +22,10 @@ Keys (every one optional except ``enabled``):
     ``a``: each stage takes its own optimizer step after every ``a`` of its backward
     passes. Drift is bounded by ``ceil((P-1-s)/a)``; ``a >= P-1`` keeps it at one
     version. Gradients are averaged over the window (the last stage scales the loss
-    by ``1/a``). ``"auto"``: ``a = max(M, P-1)`` (:func:`auto_window`), the smallest
-    change to the micro-batches per optimizer step that keeps drift <= 1 on every stage.
+    by ``1/a``). ``"auto"``: per stage ``a_s = max(min(M, P-1), P-1-s, ceil(M/2))``
+    (:func:`auto_window`): drift <= 1 on every stage with the most optimizer steps per sample
+    that allows within two floors; one window (stage 0's) on every stage when tied layers span
+    stages.
     At most ``MAX_WINDOW_CALLS`` (64) x ``gradient_accumulation_steps``, i.e. every stage
     steps at least once every 64 ``train_batch`` calls (:func:`check_accumulation_window`);
     a larger window is refused, not warned about.
@@ -100,25 +102,40 @@ class PACIConfig:
     lookahead: bool = True
     lookahead_restore: str = "copy"
 
-    def window(self, gradient_accumulation_steps, stages=1):
-        """The effective accumulation window ``a`` for ``M = gradient_accumulation_steps`` on ``stages`` stages."""
+    def window(self, gradient_accumulation_steps, stages=1, stage=None):
+        """The accumulation window ``a`` of stage ``stage`` for ``M = gradient_accumulation_steps`` on ``stages``
+        stages (``stage=None``: one window for every stage, see :func:`auto_window`)."""
         if self.accumulation_window == AUTO:
-            return auto_window(stages, gradient_accumulation_steps)
+            return auto_window(stages, gradient_accumulation_steps, stage)
         return self.accumulation_window or gradient_accumulation_steps
 
 
 AUTO = "auto"
 
 
-def auto_window(stages, micro_batches):
-    """``"accumulation_window": "auto"``: ``a = max(M, P - 1)``.
+def auto_window(stages, micro_batches, stage=None):
+    """``"accumulation_window": "auto"``: ``a_s = max(min(M, P-1), P-1-s, ceil(M/2))`` at stage ``s``.
 
-    Drift at stage ``s`` is ``ceil((P-1-s)/a)``, at most 1 on every stage exactly when
-    ``a >= P - 1``. ``a = M`` keeps one optimizer step per ``train_batch`` (the stock
-    engine's count and LR schedule), so it is kept whenever it already bounds drift by 1;
-    otherwise ``a`` grows to ``P - 1``, the least change that does.
+    Drift at stage ``s`` is ``ceil((P-1-s)/a_s)``: at most 1 exactly when ``a_s >= P-1-s``, the
+    one version the look-ahead predicts. The rule takes, at every stage, the smallest window
+    that keeps it there, within two floors:
+
+    * ``min(M, P-1)``: where ``M < P-1`` no stage steps more often than the stock engine
+      (``a_s = max(M, P-1-s)``: early stages wait for drift <= 1, late ones step every ``M``);
+    * ``ceil(M/2)``: where ``M >= P-1`` every stage steps every ``max(P-1, ceil(M/2))``
+      backward passes: more optimizer steps per sample than the stock engine's ``M`` (smaller
+      windows trained better in the sweep's ``M = 2P`` cells), at most twice as many (the
+      sweep has no evidence for more).
+
+    ``stage=None`` (one window for all stages, e.g. when tied layers span stages and their
+    owners must step together): the rule's window at stage 0, ``max(P-1, ceil(M/2))``, which
+    keeps drift <= 1 everywhere. One stage: ``M``. The rule before issue 19 was
+    ``max(M, P-1)``; the evidence for the change, cell by cell, is in ``docs/results/quality.md``.
     """
-    return max(micro_batches, stages - 1, 1)
+    if stages <= 1:
+        return max(micro_batches, 1)
+    stage = 0 if stage is None else stage
+    return max(min(micro_batches, stages - 1), stages - 1 - stage, -(-micro_batches // 2), 1)
 
 
 _KEYS = {

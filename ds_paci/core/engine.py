@@ -100,7 +100,7 @@ from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
 from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
 from .telemetry import StageTelemetry
-from .tied import TiedWeights
+from .tied import TiedWeights, tied_owner_stages
 from .watchdog import Watchdog
 
 
@@ -133,7 +133,7 @@ class PACIPipelineEngine(PipelineEngine):
         if not hasattr(self, "_validated"):
             validate_run(self._config._param_dict, self.module, self.paci)
         check_accumulation_window(self.paci.accumulation_window, self.micro_batches)
-        window = self.paci.window(self.micro_batches, self.num_stages)
+        window = self._configured_window()
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
         self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
         self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches)
@@ -180,6 +180,14 @@ class PACIPipelineEngine(PipelineEngine):
                 f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
                 f"lookahead={self._lookahead is not None}, gradient clipping: {self._clipping}; "
                 f"{compat.describe()}")
+
+    def _configured_window(self):
+        """This stage's ``a`` for the current M: ``"auto"`` may differ per stage, except in sync mode (every stage
+        must agree on running DeepSpeed's step) and where tied layers span stages (their owners exchange window
+        gradients, so every stage takes one window)."""
+        per_stage = (self.paci.accumulation_window == "auto" and not self.paci.drain_every_batch
+                     and not tied_owner_stages(self.module))
+        return self.paci.window(self.micro_batches, self.num_stages, self.stage_id if per_stage else None)
 
     def _validate_before_build(self, args, kwargs):
         """The refusals of ``ds_paci.initialize``, before DeepSpeed builds the optimizer (on every rank)."""
@@ -335,7 +343,7 @@ class PACIPipelineEngine(PipelineEngine):
         super().set_train_batch_size(train_batch_size)
         window = None
         if self.paci.accumulation_window in (None, "auto") or self._stock_step:
-            window = self.micro_batches if self._stock_step else self.paci.window(self.micro_batches, self.num_stages)
+            window = self.micro_batches if self._stock_step else self._configured_window()
             self.telemetry.window = window
             self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window)
         self._stream.set_micro_batches(self.micro_batches, window)

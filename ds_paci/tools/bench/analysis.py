@@ -364,17 +364,18 @@ def study_comparison(runs: dict, lrs, seeds, engines, steps: int, seconds_per_ba
     ``{engine: seconds}`` measured in the throughput runs (``None``: steps only). The time
     to a target is the steps to it times the engine's seconds per batch (the curve runs
     have no wait, so their own clock means nothing). Per learning rate, for every engine:
-    ``final`` (per seed and median), ``final_vs_stock`` (relative difference of the
+    ``final`` (per seed and median: the loss at ``steps``, stock's step count, also for engines
+    whose curves run past it), ``final_vs_stock`` (relative difference of the
     medians), and per target fraction: stock's loss there per seed, the engine's steps and
-    time to it per seed (``None`` = not reached, then ``short_by``: how far above the
-    target the engine's best loss stayed, relative), and the median speedup over stock in
-    time (``None`` unless every seed reached it).
+    time to it per seed over its whole curve (``None`` = not reached, then ``short_by``: how far
+    above the target the engine's best loss stayed, relative, and ``lowest_at``: the step of that
+    best loss), and the median speedup over stock in time (``None`` unless every seed reached it).
     """
     out = {}
     for lr in lrs:
         per_lr = {}
         for engine in engines:
-            finals = [runs[(lr, seed, engine)][-1][1] for seed in seeds]
+            finals = [loss_at_step(runs[(lr, seed, engine)], steps) for seed in seeds]  # PACI may run past steps
             per_lr[engine] = {"final": {"per_seed": finals, "median": median_of(finals)}, "targets": []}
         for engine in engines:
             per_lr[engine]["final_vs_stock"] = relative_difference(per_lr[engine]["final"]["median"],
@@ -384,11 +385,12 @@ def study_comparison(runs: dict, lrs, seeds, engines, steps: int, seconds_per_ba
             losses = [loss_at_step(runs[(lr, seed, "stock")], at) for seed in seeds]
             for engine in engines:
                 reached = [steps_to_loss(runs[(lr, seed, engine)], target) for seed, target in zip(seeds, losses)]
-                short = [None if r is not None else
-                         relative_difference(min(l for _, l in runs[(lr, seed, engine)]), target)
-                         for seed, target, r in zip(seeds, losses, reached)]
+                lowest = [min(runs[(lr, seed, engine)], key=lambda p: p[1]) for seed in seeds]
+                short = [None if r is not None else relative_difference(low[1], target)
+                         for low, target, r in zip(lowest, losses, reached)]
                 row = {"fraction": fraction, "stock_step": at, "target_loss": losses, "steps": reached,
-                       "short_by": short}
+                       "short_by": short, "lowest_at": [None if r is not None else low[0]
+                                                        for low, r in zip(lowest, reached)]}
                 if seconds_per_batch is not None:
                     spb = seconds_per_batch[engine]
                     row["seconds"] = [None if r is None else r * spb for r in reached]

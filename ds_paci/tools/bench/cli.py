@@ -230,7 +230,8 @@ def study_runs(study, cfg: BenchConfig, stored: dict) -> dict:
     for lr in study.lrs[cfg.name]:
         for seed, data_seed in study.seeds:
             for engine in ENGINES:
-                key = curve_key(curves_config(cfg, study.steps, study.eval_every, lr, seed, data_seed), engine)
+                run_cfg = curves_config(cfg, study.engine_steps(engine), study.eval_every, lr, seed, data_seed)
+                key = curve_key(run_cfg, engine, study.past_steps(engine))
                 if key in stored:
                     runs[(lr, seed, engine)] = [(p["step"], p["loss"]) for p in stored[key]["validation"]]
     return runs
@@ -335,10 +336,12 @@ def study_main(args, command: str) -> int:
 
                     for lr in study.lrs[cfg.name]:
                         for seed, data_seed in study.seeds:
-                            run_curves(curves_config(cfg, study.steps, study.eval_every, lr, seed, data_seed), ENGINES,
-                                       data_path=data_path, log_root=os.path.join(log_root, cfg.name),
-                                       timeout=args.timeout, done=stored, save=save,
-                                       echo=lambda line: print(line, flush=True))
+                            for engine in ENGINES:  # PACI engines may train past stock's steps (study.overrun)
+                                run_curves(curves_config(cfg, study.engine_steps(engine), study.eval_every, lr, seed,
+                                                         data_seed), [engine], data_path=data_path,
+                                           log_root=os.path.join(log_root, cfg.name), timeout=args.timeout,
+                                           done=stored, save=save, echo=lambda line: print(line, flush=True),
+                                           past_steps=study.past_steps(engine))
         except world.WorldFailure as e:
             print(f"ds_paci.bench: {e}", file=sys.stderr)
             return 1

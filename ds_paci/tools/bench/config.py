@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
@@ -169,17 +170,27 @@ class CurveStudy:
     eval_every: int
     lrs: dict
     seeds: tuple
+    overrun: float = 1.0  # PACI engines train overrun x steps (time to stock's final loss); stock trains steps
 
     def curve_configs(self):
         """Every curve run's configuration, in run order (configuration, learning rate, seed)."""
         return [curves_config(cfg, self.steps, self.eval_every, lr, seed, data_seed)
                 for cfg in self.throughput for lr in self.lrs[cfg.name] for seed, data_seed in self.seeds]
 
+    def engine_steps(self, engine: str) -> int:
+        """Steps of ``engine``'s curve runs: ``steps`` for stock, ``overrun x steps`` for PACI engines."""
+        return self.steps if engine not in PACI_ENGINES or self.overrun <= 1 else math.ceil(self.overrun * self.steps)
+
+    def past_steps(self, engine: str) -> bool:
+        return self.engine_steps(engine) != self.steps
+
 
 def studies() -> dict[str, CurveStudy]:
     """Named curve studies. ``lookahead``: issue 11's evidence (stock, PACI, PACI + look-ahead at real P=2 and
     emulated P=4, P=8; two seeds; 300 steps; two constant learning rates: 2e-3, the best of {1e-3, 2e-3, 3e-3} for
-    the stock engine at P=8 over 300 steps (2.443, 2.365, 2.484), and 3x lower). ``smoke``: seconds."""
+    the stock engine at P=8 over 300 steps (2.443, 2.365, 2.484), and 3x lower). ``time_to_final``: the
+    same at P=4 and P=8 with the PACI engines trained 1.5x stock's 300 steps, for the time to stock's final
+    loss (issue 19). ``smoke``: seconds."""
     return {
         "lookahead":
             CurveStudy(throughput=(make_config("real", stages=2, micro_batches=4, steps=40),
@@ -189,9 +200,15 @@ def studies() -> dict[str, CurveStudy]:
                        lrs={"real_P2_M4": (2e-3, 2e-3 / 3), "emulated_P4_M4": (2e-3, 2e-3 / 3),
                             "emulated_P8_M8": (2e-3, 2e-3 / 3)},
                        seeds=((1234, 7), (4321, 8))),
+        "time_to_final":
+            CurveStudy(throughput=(make_config("emulated", stages=4, micro_batches=4, device_time=0.05, steps=40),
+                                   make_config("emulated", stages=8, micro_batches=8, device_time=0.02, steps=40)),
+                       repeats=3, steps=300, eval_every=25,
+                       lrs={"emulated_P4_M4": (2e-3, 2e-3 / 3), "emulated_P8_M8": (2e-3, 2e-3 / 3)},
+                       seeds=((1234, 7), (4321, 8)), overrun=1.5),
         "smoke":
             CurveStudy(throughput=presets()["smoke"].configs, repeats=1, steps=6, eval_every=3,
-                       lrs={"emulated_P2_M2": (1e-3, )}, seeds=((1234, 7), )),
+                       lrs={"emulated_P2_M2": (1e-3, )}, seeds=((1234, 7), ), overrun=1.5),
     }
 
 

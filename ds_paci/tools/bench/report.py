@@ -207,8 +207,10 @@ def study_tables(label: str, comparison: dict, engines, seeds) -> str:
         for i, fraction in enumerate(f"{f:.0%}" for f in STUDY_FRACTIONS):
             for engine in engines:
                 row = per_lr[engine]["targets"][i]
-                steps = ", ".join("missed by " + f"{s:+.2%}" if r is None else f"{r:.0f}"
-                                  for r, s in zip(row["steps"], row["short_by"]))
+                at = row.get("lowest_at") or [None] * len(row["steps"])
+                steps = ", ".join((f"not reached ({s:+.2%} above at step {b})" if b is not None else
+                                   "missed by " + f"{s:+.2%}") if r is None else f"{r:.0f}"
+                                  for r, s, b in zip(row["steps"], row["short_by"], at))
                 seconds = row.get("seconds")
                 t = "-" if seconds is None or any(x is None for x in seconds) else f"{median_of(seconds):.1f} s"
                 speed = row.get("speedup", {}).get("median")

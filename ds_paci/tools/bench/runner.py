@@ -201,14 +201,15 @@ def run_rounds(cfg: BenchConfig, *, repeats: int, trace: bool, data_path: str, l
 
 
 def run_curves(cfg: BenchConfig, engines, *, data_path: str, log_root: str, timeout: float, done: dict,
-               save, echo=print) -> dict:
+               save, echo=print, past_steps: bool = False) -> dict:
     """One untimed run per engine of a loss-curve configuration; results go into ``done`` (and ``save(done)``).
 
     ``done`` maps :func:`curve_key` to a run summary; runs already in it are skipped, so an
-    interrupted study resumes where it stopped.
+    interrupted study resumes where it stopped. ``past_steps``: the runs train past stock's step count
+    (their keys name their steps).
     """
     for engine in engines:
-        key = curve_key(cfg, engine)
+        key = curve_key(cfg, engine, past_steps)
         if key in done:
             continue
         began = time.monotonic()
@@ -223,6 +224,7 @@ def run_curves(cfg: BenchConfig, engines, *, data_path: str, log_root: str, time
     return done
 
 
-def curve_key(cfg: BenchConfig, engine: str) -> str:
-    """Key of one curve run: learning rate, seeds and engine."""
-    return f"lr={cfg.lr:g} seed={cfg.seed} data_seed={cfg.data_seed} engine={engine}"
+def curve_key(cfg: BenchConfig, engine: str, past_steps: bool = False) -> str:
+    """Key of one curve run: learning rate, seeds and engine (and its step count for runs past stock's)."""
+    key = f"lr={cfg.lr:g} seed={cfg.seed} data_seed={cfg.data_seed} engine={engine}"
+    return key + f" steps={cfg.steps}" if past_steps else key

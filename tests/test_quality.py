@@ -1,0 +1,118 @@
+"""The depth x batch sweep: its grid, its resumable runner and its report (ds_paci.tools.quality)."""
+
+import dataclasses
+import json
+
+from ds_paci.core.schedule import drift_bound
+from ds_paci.tools.quality import grid, report, sweep
+
+
+def _fake_results(finals):
+    """Phase-1 results of every depth with lr 3e-3 best, plus ``finals`` {key: final}."""
+    out = {}
+    for stages in grid.DEPTHS:
+        for run in grid.lr_sweep_runs(stages):
+            out[run.key()] = {**run.as_dict(), "final": 2.0 if run.lr == 3e-3 else 2.5, "curve": []}
+    for key, final in finals.items():
+        out[key] = {"key": key, "final": final, "curve": []}
+    return out
+
+
+def test_plan_runs_phase_one_first_then_every_cell_with_every_window():
+    assert all(r.engine == "stock" and r.micro_batches == r.stages for r in grid.sweep_plan({}))
+    plan = grid.sweep_plan(_fake_results({}))
+    keys = [r.key() for r in plan]
+    assert len(keys) == len(set(keys))
+    cell = [r for r in plan if (r.stages, r.micro_batches, r.lr, r.optimizer) == (8, 4, 3e-3, "adamw")]
+    windows = {r.windows for r in cell if r.engine == "lookahead"}
+    for rule in list(grid.ALL_RULES) + ["auto"]:
+        assert tuple(grid.rule_windows(rule, 8, 4)) in windows
+    assert {r.seed for r in cell if r.engine in ("stock", "paci")} == {1234, 4321}  # P = 8: both seeds
+    auto = [r for r in cell if r.engine == "lookahead" and list(r.windows) == grid.auto_windows(8, 4)]
+    assert {r.steps for r in auto} == {int(1.5 * grid.STEPS[8])} and len(auto) == 2  # past stock's steps
+    assert {r.lr for r in plan if r.stages == 8} == {3e-3, 1e-3, 9e-3}  # best and best/3 (and the sweep's)
+    assert {(r.seed, r.lr) for r in plan if r.stages == 32 and r.micro_batches == 64} == {
+        (seed, lr) for seed, _ in grid.SEEDS for lr in (3e-3, 1e-3)}  # the whole grid, every depth
+    muon = [r for r in plan if r.optimizer == "muon"]
+    assert {(r.stages, r.engine) for r in muon} == {(8, e) for e in ("stock", "paci", "lookahead")} and len(muon) == 9
+    # order: the first seed at the best lr (every depth), Muon, the second seed there, then the other lr
+    first_tier = [r for r in plan if r.seed == 1234 and r.lr == 3e-3 and r.optimizer == "adamw"]
+    assert keys.index(first_tier[-1].key()) < keys.index(muon[0].key())
+    assert keys.index(muon[-1].key()) < keys.index(next(r.key() for r in plan if r.seed == 4321))
+    assert keys.index(next(r.key() for r in plan if r.seed == 4321 and r.lr == 3e-3)) < keys.index(
+        next(r.key() for r in plan if r.lr == 1e-3 and r.micro_batches != r.stages))
+    for stages in grid.DEPTHS:  # the auto rule keeps drift <= 1 everywhere
+        for M in grid.micro_batch_counts(stages):
+            assert all(drift_bound(stages, s, a) <= 1 for s, a in enumerate(grid.auto_windows(stages, M)))
+
+
+def test_report_names_the_best_fixed_window_and_whether_the_rule_holds():
+    P, M, lr = 4, 2, 3e-3
+    finals = {}
+    for i, pair in enumerate(grid.SEEDS):
+        finals[grid.make_run(P, M, "stock", None, lr, pair).key()] = 2.60 + 0.01 * i
+        finals[grid.make_run(P, M, "paci", grid.rule_windows(grid.PACI_RULE, P, M), lr, pair, True).key()] = 2.9
+        finals[grid.make_run(P, M, "lookahead", grid.auto_windows(P, M), lr, pair, True).key()] = 2.62 + 0.01 * i
+    values = {"a=M": 2.61, "a=P-1": 2.70, "a=2max(M,P-1)": 2.80}
+    for name, value in values.items():
+        run = grid.make_run(P, M, "lookahead", grid.rule_windows(name, P, M), lr, grid.SEEDS[0])
+        finals.setdefault(run.key(), value)
+    c = report.cell_summary(_fake_results(finals), P, M, lr)
+    assert c["best_fixed"] == "a=M" and c["stock_median"] == 2.605
+    auto = c["rules"]["auto"]
+    assert abs(auto["vs_best_fixed"] - (2.62 - 2.61) / 2.61) < 1e-12 and auto["holds"]  # 0.38% and +0.77%
+    table = report.rule_table([c], "auto")
+    assert "| 4 | 2 | 0.003 | 3,2,2,2 | 2.6200, 2.6300 | +0.77% | +0.38% | yes |" in table
+    assert report.steps_to([(0, 3.0), (10, 2.0), (20, 1.0)], 1.5) == 15.0 and report.steps_to([(0, 3.0)], 1) is None
+
+
+def test_sweep_runs_resume_from_their_json_lines(tmp_path):
+    tiny = dataclasses.replace(grid.make_run(4, 2, "lookahead", grid.auto_windows(4, 2), 3e-3, grid.SEEDS[0]),
+                               steps=6, common_steps=4)
+    stock = dataclasses.replace(grid.make_run(4, 2, "stock", None, 3e-3, grid.SEEDS[0]), steps=4, common_steps=4)
+    small = dataclasses.replace(grid.MODEL, n_embd=16, n_head=2, seq_len=16, val_micro_batches=4)
+    plan = lambda results: [stock, tiny]  # noqa: E731
+    lines = []
+    sweep.run_sweep(str(tmp_path), workers=1, plan_fn=plan, echo=lines.append, model=small)
+    rows = [json.loads(x) for x in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["key"] for r in rows] == [stock.key(), tiny.key()] and len(lines) == 2
+    la = rows[1]
+    # a = 3,2,2,2 over 12 micro-batches with a drain at step 4 (8 micro-batches): stage 0 steps 2 + the partial
+    # window, then 1 + the partial window at the end
+    assert la["local_steps"] == [5, 6, 6, 6] and la["curve"][-1][0] == 6
+    assert la["final"] == dict((s, v) for s, v in la["curve"])[4]  # read at the common step count
+    sweep.run_sweep(str(tmp_path), workers=1, plan_fn=plan, echo=lines.append, model=small)  # nothing left
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 2 and len(lines) == 2
+
+
+def test_time_to_final_report_checks_the_replay_against_the_stored_engine_curves(tmp_path):
+    from ds_paci.tools.quality import time_to_final as ttf
+    source, out = tmp_path / "stored", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    stock = [(s, 3.0 - s / 300) for s in range(0, 301, 25)]  # ends at 2.0
+    paci = [(s, 3.0 - s / 330) for s in range(0, 451, 25)]  # reaches 2.0 at step 330
+    for shape in ttf.SHAPES:
+        runs = {}
+        for lr in ttf.LRS:
+            for seed, data_seed in ttf.SEEDS:
+                for engine, curve in (("stock", stock), ("paci", paci), ("paci+lookahead", paci)):
+                    runs[f"lr={lr:g} seed={seed} data_seed={data_seed} engine={engine}"] = {
+                        "validation": [{"step": s, "loss": v} for s, v in curve if s <= 300]}
+        (source / f"{shape}_curves.json").write_text(json.dumps({"runs": runs}))
+        spb = {e: {"median": m} for e, m in (("stock", 2.0), ("paci", 1.0), ("paci+lookahead", 1.0))}
+        (source / f"{shape}.json").write_text(json.dumps({"comparison": {"seconds_per_batch": spb}}))
+    lines = []
+    seed, data_seed = ttf.SEEDS[0]
+    for engine in ("paci", "paci+lookahead"):
+        curve = paci if engine == "paci" else [(s, v + (1e-3 if s == 100 else 0)) for s, v in paci]
+        lines.append({"key": ttf._key(ttf.SHAPES[0], engine, ttf.LRS[0], seed), "shape": ttf.SHAPES[0],
+                      "engine": engine, "lr": ttf.LRS[0], "seed": seed, "data_seed": data_seed, "curve": curve})
+    (out / "time_to_final.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    agreement = {a["key"].split()[1]: a for a in ttf.engine_agreement({x["key"]: x for x in lines}, str(source))}
+    assert agreement["paci"]["identical"] and not agreement["paci+lookahead"]["identical"]
+    assert abs(agreement["paci+lookahead"]["gap"] - 1e-3) < 1e-9
+    markdown = ttf.write_report(str(out), str(source))
+    assert "1 of 2 runs identical" in markdown and "PACI runs pending" in markdown
+    # stock's final loss (2.0 at step 300, 2 s per batch) reached at step 330 at 1 s per batch: 1.82x sooner
+    assert "| 0.002 | 300 (100%) | 2.0000 | PACI | 330 | 330.0 s | 1.82x |" in markdown
