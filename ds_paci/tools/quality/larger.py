@@ -12,9 +12,10 @@ run in ``<out>/larger.jsonl``) writes ``<out>/larger.md`` and ``<out>/larger.png
 
 from __future__ import annotations
 
-import json
 import math
 import os
+
+from .rows import append_row, load_rows
 
 STAGES, MICRO_BATCHES, N_LAYER, N_EMBD, N_HEAD, SEQ_LEN, MICRO_BATCH_SIZE = 4, 4, 8, 256, 8, 32, 2
 STEPS, OVERRUN, EVERY, VAL_MICRO_BATCHES, LR, SEED, DATA_SEED = 1000, 1.5, 50, 16, 1e-3, 1234, 7
@@ -44,16 +45,12 @@ def run_all(out: str, echo=print, names=None) -> dict:
     """Every run of :data:`RUNS` (or only ``names``) not yet in ``<out>/larger.jsonl``; returns all stored runs.
     Runs of different names may go in separate processes at once (each appends its one line when done)."""
     path = os.path.join(out, "larger.jsonl")
-    done = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            done = {r["name"]: r for r in map(json.loads, filter(str.strip, f))}
+    done = load_rows(path, key="name")
     for name, mode, window in RUNS:
         if name in done or (names and name not in names):
             continue
         row = run_one(name, mode, window, echo=lambda line: echo(f"{name}: {line}"))
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(path, row)
         done[name] = row
         echo(f"{name}: loss at {STEPS} {dict(row['curve'])[STEPS]:.4f}, last {row['curve'][-1][1]:.4f} "
              f"({row['seconds']:.0f} s)")
@@ -62,8 +59,7 @@ def run_all(out: str, echo=print, names=None) -> dict:
 
 def write_report(out: str) -> str:
     from .report import steps_to
-    with open(os.path.join(out, "larger.jsonl")) as f:
-        done = {r["name"]: r for r in map(json.loads, filter(str.strip, f))}
+    done = load_rows(os.path.join(out, "larger.jsonl"), key="name")
     stock = done.get("stock")
     lines = ["# A larger model: 8 blocks x 256 (emulated P = 4, M = 4, replay)", "", __doc__.split("\n\n")[1]
              .replace("\n", " "), "",

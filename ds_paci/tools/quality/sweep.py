@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import json
 import multiprocessing as mp
 import os
 import time
 
 from .grid import MODEL, SweepRun, run_cost, sweep_plan
+from .rows import append_row, load_rows
 
 _TOKENS = {}
 RESTORE = "recompute"  # the look-ahead's restore in every sweep run (the engine's default when the sweep began)
@@ -57,22 +57,7 @@ def execute(run: SweepRun, model=MODEL) -> dict:
 
 def load_results(path: str) -> dict:
     """``{key: result line}`` of a results file (missing file: empty)."""
-    out = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    row = json.loads(line)
-                    out[row["key"]] = row
-    return out
-
-
-def _append(path: str, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    return load_rows(path)
 
 
 def run_sweep(out: str, workers: int = 2, depths=None, plan_fn=None, echo=print, model=MODEL) -> dict:
@@ -97,7 +82,7 @@ def run_sweep(out: str, workers: int = 2, depths=None, plan_fn=None, echo=print,
             for key in [k for k, (f, _) in running.items() if f in done]:
                 future, started = running.pop(key)
                 row = future.result()
-                _append(path, row)
+                append_row(path, row)
                 results[key] = row
                 left = [r for r in plan_fn(results) if r.key() not in results]
                 echo(f"[{time.time() - began:7.0f} s] {key}: final {row['final']:.4f} ({row['seconds']:.0f} s); "

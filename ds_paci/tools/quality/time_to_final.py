@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 
+from .rows import append_row, load_rows
+
 LOOKAHEAD_DIR = "docs/results/lookahead"
 SHAPES = ("emulated_P4_M4", "emulated_P8_M8")
 LRS = (2e-3, 2e-3 / 3)
@@ -59,10 +61,7 @@ def _key(shape, engine, lr, seed):
 def run_all(out: str, source: str = LOOKAHEAD_DIR, echo=print) -> dict:
     """Every PACI run not yet in ``<out>/time_to_final.jsonl`` (one line each); returns all of them."""
     path = os.path.join(out, "time_to_final.jsonl")
-    done = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            done = {r["key"]: r for r in map(json.loads, filter(str.strip, f))}
+    done = load_rows(path)
     steps = int(OVERRUN * STEPS)
     order = [(lr, engine, shape, pair) for lr in LRS for engine in ("paci+lookahead", "paci") for shape in SHAPES
              for pair in SEEDS]  # the look-ahead at the better learning rate first
@@ -71,8 +70,7 @@ def run_all(out: str, source: str = LOOKAHEAD_DIR, echo=print) -> dict:
         if key in done:
             continue
         row = {"key": key, **replay_curve(shape, engine, lr, seed, data_seed, steps)}
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(path, row)
         done[key] = row
         echo(f"{key}: loss at {STEPS} {dict(row['curve'])[STEPS]:.4f}, at {steps} "
              f"{row['curve'][-1][1]:.4f} ({row['seconds']:.0f} s)")
@@ -101,8 +99,7 @@ def write_report(out: str, source: str = LOOKAHEAD_DIR) -> str:
     from ds_paci.tools.bench.config import ENGINES as BENCH_ENGINES
     from ds_paci.tools.bench.report import study_tables
     path = os.path.join(out, "time_to_final.jsonl")
-    with open(path) as f:
-        done = {r["key"]: r for r in map(json.loads, filter(str.strip, f))}
+    done = load_rows(path)
     lines = ["# Time to stock's final loss (emulated P = 4 and P = 8, PACI engines trained 1.5x stock's steps)", "",
              __doc__.split("\n\n")[1].replace("\n", " "), ""]
     agreement = engine_agreement(done, source)
