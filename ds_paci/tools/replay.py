@@ -92,8 +92,10 @@ JOBS = {
 class Evaluation:
     """When the replay validates and drains: ``every`` steps (0: only at the start and the end).
 
-    ``drains``: drain before each validation (the engine's ``eval_batch``); otherwise validations
-    read the current weights and the stream drains only at ``drain_at`` steps and at the end.
+    ``drains``: drain before each validation (the engine's ``eval_batch``: the partial window stays
+    open); otherwise validations read the current weights and the stream drains only at ``drain_at``
+    steps and at the end. A ``drain_at`` drain closes the partial window, as the engine's ``drain()``
+    does (the sweep reads its common-step loss there; runs before the counters rule drained that way).
     """
 
     every: int = 100
@@ -374,9 +376,9 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
         call_losses.append(pipe.call_loss())
         validate = (evaluation.every and step % evaluation.every == 0) or step == steps
         if mode != "sync" and (step == steps or step in evaluation.drain_at or (validate and evaluation.drains)):
-            # the engine's drain(): a call of its own, whose loss is not a train_batch's; as eval_batch and
-            # saves it leaves a partial window open, the end of training closes it
-            pipe.drain(close_window=step == steps)
+            # the engine's drain(): a call of its own, whose loss is not a train_batch's; as eval_batch it
+            # leaves a partial window open, the end of training and drain_at close it (Evaluation)
+            pipe.drain(close_window=step == steps or step in evaluation.drain_at)
             pipe.call_loss()
         if validate:
             curve.append((step, evaluate()))
