@@ -60,7 +60,9 @@ def test_validations_without_draining_leave_the_training_unchanged_and_windows_a
                             evaluation=evaluation)
     assert runs["peek"].curve[-1] == runs["none"].curve[-1] and runs["peek"].call_losses == runs["none"].call_losses
     assert len(runs["peek"].curve) == STEPS + 1 and len(runs["none"].curve) == 2
-    assert runs["drain"].curve[-1] != runs["none"].curve[-1]  # a drain per validation steps partial windows
+    # a drain per validation changes the drift of the micro-batches in flight at it (nothing crosses a step
+    # during the flush) but never adds a step: the partial window stays open (issue 16, as eval_batch)
+    assert runs["drain"].curve[-1] != runs["none"].curve[-1]
     # 8 micro-batches per stage: stage 0 (a = 3) steps twice and closes a partial window at the end, stage 1 (a = 2)
     assert runs["none"].local_steps == [3, 4] and runs["none"].windows == [3, 2]
-    assert runs["drain"].local_steps[0] > 3
+    assert runs["drain"].local_steps == runs["none"].local_steps
