@@ -167,7 +167,8 @@ def check_resume(engine, job: SoakJob) -> dict:
     again = _weights(fresh)
     matches = trained.keys() == again.keys() and all(bool((trained[k] == again[k]).all()) for k in trained)
     fresh.destroy()
-    return {"final_tag": tag, "loaded": os.path.basename(os.path.normpath(loaded)) if loaded else None,
+    folder = os.path.dirname(loaded) if loaded and os.path.isfile(loaded) else loaded  # DeepSpeed returns a file
+    return {"final_tag": tag, "loaded": os.path.basename(os.path.normpath(folder)) if folder else None,
             "loaded_calls": (client or {}).get("calls"), "resume_matches": matches, "stats": stats}
 
 
@@ -240,7 +241,8 @@ def run_soak(job: SoakJob, *, log_dir: str | None = None, timeout: float = 3600.
     results = run_world(soak_rank, job.stages * job.dp, job, timeout=timeout, log_dir=log_dir,
                         gloo_timeout_s=min(timeout, 600))
     for r in results:
-        r["stats"] = {k: r["stats"].get(k) for k in ("train_batch_calls", "drains", "skipped_steps", "tied")}
+        r["stats"] = {k: r["stats"].get(k) for k in ("train_batch_calls", "drains", "skipped_steps", "tied",
+                                                  "lookahead")}
     return {"job": asdict(job), "commit": _commit(), "started": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                               time.gmtime(started)),
             "seconds": round(time.time() - started, 1), "load_avg": {"start": load_start, "end": os.getloadavg()},
@@ -312,7 +314,7 @@ def main(argv=None) -> int:
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result, f, indent=1, default=str)
             f.write("\n")
     return 0
 
