@@ -5,12 +5,13 @@
 Contract. One world of real DeepSpeed engines over gloo (:func:`ds_paci.tools.world.run_world`, CPU): a tiny
 GPT-2 (:mod:`ds_paci.workload.gpt2`, byte vocabulary) whose token embedding is tied to its LM head across the
 first and last of ``--stages`` pipeline stages, times ``--dp`` data-parallel replicas; PACI async with
-``"lookahead": true`` and DeepSpeed's AdamW; ``--calls`` calls of ``train_batch`` on the Shakespeare corpus, an
+``"lookahead": true``, ``accumulation_window`` ``--window`` (default ``--micro-batches``), DeepSpeed's AdamW
+with clipping; ``--calls`` calls of ``train_batch`` on the Shakespeare corpus, an
 ``eval_batch`` every ``--eval-every`` calls and a ``save_checkpoint`` every ``--save-every`` calls into
 ``--checkpoint-dir`` (a temporary folder by default), of which only the newest ``--keep`` checkpoints are kept
 so the disk does not fill. Every ``--sample-every`` calls (and after the last) each rank records a sample:
 call index, wall time, resident set (``VmRSS`` of ``/proc/self/status``), Python objects tracked by the garbage
-collector, the tied exchange's sends and receives in flight (``paci_stats()["tied"]``: ``pending_sends``,
+collector, the machine's 1-minute load average, the tied exchange's sends and receives in flight (``paci_stats()["tied"]``: ``pending_sends``,
 ``pending_receives``, the most per peer), and seconds per call over the interval (all of it, and
 ``train_batch`` alone). After the run the engine drains, saves a last checkpoint, and a fresh engine built with
 another seed loads ``latest`` and is compared with the trained weights (``resume_matches``).
@@ -51,6 +52,7 @@ class SoakJob:
     stages: int = 2
     dp: int = 2
     micro_batches: int = 4
+    window: int = 0  # "accumulation_window"; 0: DeepSpeed's gradient_accumulation_steps (one local step per call)
     eval_every: int = 100
     save_every: int = 500
     sample_every: int = 25
@@ -78,7 +80,8 @@ def ds_config(job: SoakJob) -> dict:
         "steps_per_print": 10**9,
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True, "weight_decay": 0.01}},
-        "paci": {"enabled": True, "lookahead": True, "watchdog_seconds": 300},
+        "paci": {"enabled": True, "lookahead": True, "watchdog_seconds": 300,
+                 **({"accumulation_window": job.window} if job.window else {})},
     }
 
 
@@ -145,6 +148,7 @@ def train_and_sample(engine, job: SoakJob, train_iter, val_batches) -> dict:
         if call % job.sample_every == 0 or call == job.calls:
             now, n = time.time(), call - last_call
             samples.append({"call": call, "wall": now, "rss_kib": rss_kib(), "gc_objects": len(gc.get_objects()),
+                            "load1": os.getloadavg()[0],
                             **_tied_transfers(engine), "s_per_call": (now - last_wall) / n,
                             "train_s_per_call": (train_seconds - last_train) / n})
             last_wall, last_call, last_train = now, call, train_seconds
@@ -253,7 +257,7 @@ def _problem(a) -> str | None:
     for name in ("calls", "stages", "dp", "micro_batches", "sample_every", "keep", "n_layer", "n_embd"):
         if getattr(a, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}"
-    for name in ("eval_every", "save_every"):
+    for name in ("eval_every", "save_every", "window"):
         if getattr(a, name) < 0:
             return f"--{name.replace('_', '-')} must be >= 0 (0: never), got {getattr(a, name)}"
     if a.stages < 2:
@@ -274,6 +278,8 @@ def parse_args(argv=None):
     ap.add_argument("--stages", type=int, default=d.stages, help="pipeline stages (default %(default)s)")
     ap.add_argument("--dp", type=int, default=d.dp, help="data-parallel replicas (default %(default)s; 1: none)")
     ap.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per call")
+    ap.add_argument("--window", type=int, default=d.window,
+                    help="PACI accumulation_window a (default: --micro-batches, one local step per call)")
     ap.add_argument("--eval-every", type=int, default=d.eval_every, help="calls between eval_batch (0: never)")
     ap.add_argument("--save-every", type=int, default=d.save_every, help="calls between saves (0: never)")
     ap.add_argument("--sample-every", type=int, default=d.sample_every, help="calls between samples")
@@ -296,7 +302,8 @@ def main(argv=None) -> int:
     own_dir = not a.checkpoint_dir
     save_dir = a.checkpoint_dir or tempfile.mkdtemp(prefix="ds_paci_soak_")
     os.makedirs(save_dir, exist_ok=True)
-    job = SoakJob(calls=a.calls, stages=a.stages, dp=a.dp, micro_batches=a.micro_batches, eval_every=a.eval_every,
+    job = SoakJob(calls=a.calls, stages=a.stages, dp=a.dp, micro_batches=a.micro_batches, window=a.window,
+                  eval_every=a.eval_every,
                   save_every=a.save_every, sample_every=a.sample_every, keep=a.keep, checkpoint_dir=save_dir,
                   n_layer=a.n_layer, n_embd=a.n_embd)
     from ds_paci.tools.world import WorldFailure
