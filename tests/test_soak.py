@@ -9,6 +9,7 @@ checkpoint that a fresh engine loads with the trained weights.
 import math
 import os
 
+import reliability_cases
 from ds_paci.core.checkpoint import COMPLETE, read_latest, verify
 from ds_paci.tools import soak
 
@@ -16,11 +17,11 @@ CALLS, EVERY, SAMPLE = 120, 40, 10
 
 
 def test_a_short_soak_samples_every_rank_bounds_tied_transfers_and_resumes(tmp_path):
-    """2 stages (tied embedding), a = 1 with M = 4 (four local steps per call, L = 2), 120 calls, an evaluation
+    """2 stages (tied embedding), a = 1 with M = 2 (two local steps per call, L = 2), 120 calls, an evaluation
     and a save every 40: the series, the bound on transfers in flight, the rotated checkpoints, the resume."""
     save_dir = str(tmp_path / "ckpt")
     os.makedirs(save_dir)
-    job = soak.SoakJob(calls=CALLS, stages=2, dp=1, micro_batches=4, window=1, eval_every=EVERY, save_every=EVERY,
+    job = soak.SoakJob(calls=CALLS, stages=2, dp=1, micro_batches=2, window=1, eval_every=EVERY, save_every=EVERY,
                        sample_every=SAMPLE, keep=2, checkpoint_dir=save_dir)
     result = soak.run_soak(job, log_dir=str(tmp_path / "logs"), timeout=300)
     ranks = result["ranks"]
@@ -37,7 +38,8 @@ def test_a_short_soak_samples_every_rank_bounds_tied_transfers_and_resumes(tmp_p
         assert r["tied_owner"] and lag == 2, (r["tied_owner"], lag)
         sends = [s["pending_sends"] for s in r["samples"]]
         receives = [s["pending_receives"] for s in r["samples"]]
-        assert max(sends + [r["max_pending_sends"]]) <= lag + 1 and max(receives + [r["max_pending_receives"]]) <= lag + 1
+        assert max(sends + [r["max_pending_sends"]]) <= lag + 1
+        assert max(receives + [r["max_pending_receives"]]) <= lag + 1
         # between calls the last L windows are in flight (read through paci_stats), none after an evaluation's drain
         assert max(sends) == lag and max(receives) == lag and r["max_pending_sends"] == lag + 1, (sends, receives)
         assert sends[EVERY // SAMPLE - 1] == receives[EVERY // SAMPLE - 1] == 0
@@ -51,7 +53,7 @@ def test_a_short_soak_samples_every_rank_bounds_tied_transfers_and_resumes(tmp_p
     assert [s["rank"] for s in summary] == [0, 1]
     for s in summary:
         assert s["call_at_10pct"] == 20 and s["pending_bound"] == 3 and math.isfinite(s["rss_growth_pct"])
-    assert "| 1 | 1 | 0 | 20 |" in soak.soak_markdown(result)
+    assert "| 1 | 1 | 0 | 20 |" in reliability_cases.soak_markdown(result)
 
 
 def test_bad_arguments_end_with_one_line_before_any_world(capsys):

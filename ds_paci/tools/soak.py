@@ -11,8 +11,8 @@ with clipping; ``--calls`` calls of ``train_batch`` on the Shakespeare corpus, a
 ``--checkpoint-dir`` (a temporary folder by default), of which only the newest ``--keep`` checkpoints are kept
 so the disk does not fill. Every ``--sample-every`` calls (and after the last) each rank records a sample:
 call index, wall time, resident set (``VmRSS`` of ``/proc/self/status``), Python objects tracked by the garbage
-collector, the machine's 1-minute load average, the tied exchange's sends and receives in flight (``paci_stats()["tied"]``: ``pending_sends``,
-``pending_receives``, the most per peer), and seconds per call over the interval (all of it, and
+collector, the machine's 1-minute load average, the tied exchange's sends and receives in flight
+(``paci_stats()["tied"]``: ``pending_sends``, ``pending_receives``, the most per peer), and seconds per call over the interval (all of it, and
 ``train_batch`` alone). After the run the engine drains, saves a last checkpoint, and a fresh engine built with
 another seed loads ``latest`` and is compared with the trained weights (``resume_matches``).
 
@@ -226,55 +226,8 @@ def summary_line(s: dict) -> str:
             f"{s['call_at_10pct']} -> {s['rss_mib_end']:.1f} MiB at the end ({s['rss_growth_pct']:+.2f}%), "
             f"tied in flight max {s['max_pending_sends']} sends / {s['max_pending_receives']} receives per peer "
             f"(bound {s['pending_bound']}), s/call {s['median_s_per_call_first_10pct']:.4f} first 10% -> "
-            f"{s['median_s_per_call_last_10pct']:.4f} last 10%, resume {'matches' if s['resume_matches'] else 'DIFFERS'}")
-
-
-def _load_range(result: dict) -> str:
-    loads = [s["load1"] for r in result["ranks"] for s in r["samples"] if "load1" in s]
-    if not loads:
-        return f"{result['load_avg']['start'][0]:.1f} at the start, {result['load_avg']['end'][0]:.1f} at the end"
-    return (f"1-minute load average {min(loads):.1f} to {max(loads):.1f} over the samples, median "
-            f"{statistics.median(loads):.1f}")
-
-
-def soak_markdown(result: dict, growth_limit_pct: float = 2.0) -> str:
-    """A markdown section of ``result`` (what ran, the command, when, the per-rank table, the verdict)."""
-    job, summary = result["job"], result["summary"]
-    window = job.get("window") or job["micro_batches"]
-    worst = max(s["rss_growth_pct"] for s in summary)
-    bound_ok = all(s["max_pending_sends"] <= s["pending_bound"] and s["max_pending_receives"] <= s["pending_bound"]
-                   for s in summary if s["pending_bound"] is not None)
-    out = [
-        f"{job['stages']} pipeline stages x {job['dp']} data-parallel replicas = {job['stages'] * job['dp']} ranks "
-        f"over gloo on the CPU; a tiny GPT-2 ({job['n_layer']} blocks, width {job['n_embd']}, byte vocabulary, "
-        f"sequences of {SEQ_LEN}) with its token embedding tied to the LM head across the first and last stage; "
-        f"PACI async with the look-ahead, M = {job['micro_batches']} micro-batches of {MICRO_BATCH} per call, "
-        f"a = {window}; DeepSpeed's AdamW, clipping 1.0. {job['calls']} `train_batch` calls, an `eval_batch` every "
-        f"{job['eval_every']} calls, a `save_checkpoint` every {job['save_every']} calls (the newest {job['keep']} "
-        f"kept), a sample every {job['sample_every']} calls; then a drain, a last save, and a fresh engine "
-        "(another seed) loading `latest`.",
-        "",
-        f"Command (commit `{result['commit']}`, started {result['started']}, {result['seconds'] / 60:.0f} minutes, "
-        f"{_load_range(result)}; result: `docs/results/soak/soak.json`):",
-        "",
-        f"    nice -n 10 .venv/bin/{result.get('command', 'python -m ds_paci.tools.soak')}",
-        "",
-        "| rank | stage | replica | RSS at call | RSS at 10% (MiB) | RSS at end (MiB) | growth | tied sends / receives "
-        "in flight, max per peer (bound L + 1) | s/call, median first 10% | last 10% | resume |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summary:
-        out.append(f"| {s['rank']} | {s['stage']} | {s['dp']} | {s['call_at_10pct']} | {s['rss_mib_at_10pct']:.1f} | "
-                   f"{s['rss_mib_end']:.1f} | {s['rss_growth_pct']:+.2f}% | {s['max_pending_sends']} / "
-                   f"{s['max_pending_receives']} ({s['pending_bound']}) | {s['median_s_per_call_first_10pct']:.3f} | "
-                   f"{s['median_s_per_call_last_10pct']:.3f} | {'loads, equal' if s['resume_matches'] else 'DIFFERS'} |")
-    verdict = "below" if worst < growth_limit_pct else "NOT below"
-    out += ["", f"Resident memory after the first 10% grows by at most {worst:+.2f}% to the end: {verdict} the "
-            f"{growth_limit_pct:g}% target on every rank. Tied transfers in flight "
-            f"{'stay within' if bound_ok else 'EXCEED'} the bound on every rank. Seconds per call include the "
-            "evaluations and saves of their interval and follow the machine's load (shared, 2 cores): a figure, "
-            "not a target."]
-    return "\n".join(out) + "\n"
+            f"{s['median_s_per_call_last_10pct']:.4f} last 10%, "
+            f"resume {'matches' if s['resume_matches'] else 'DIFFERS'}")
 
 
 def _commit() -> str | None:
@@ -295,8 +248,8 @@ def run_soak(job: SoakJob, *, log_dir: str | None = None, timeout: float = 3600.
     for r in results:
         r["stats"] = {k: r["stats"].get(k) for k in ("train_batch_calls", "drains", "skipped_steps", "tied",
                                                   "lookahead")}
-    return {"job": asdict(job), "commit": _commit(), "started": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                              time.gmtime(started)),
+    return {"job": asdict(job), "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "commit": _commit(),
+            "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
             "seconds": round(time.time() - started, 1), "load_avg": {"start": load_start, "end": os.getloadavg()},
             "ranks": results, "summary": [summarize_rank(r, job.calls) for r in results]}
 
