@@ -12,8 +12,8 @@ with clipping; ``--calls`` calls of ``train_batch`` on the Shakespeare corpus, a
 so the disk does not fill. Every ``--sample-every`` calls (and after the last) each rank records a sample:
 call index, wall time, resident set (``VmRSS`` of ``/proc/self/status``), Python objects tracked by the garbage
 collector, the machine's 1-minute load average, the tied exchange's sends and receives in flight
-(``paci_stats()["tied"]``: ``pending_sends``, ``pending_receives``, the most per peer), and seconds per call over the interval (all of it, and
-``train_batch`` alone). After the run the engine drains, saves a last checkpoint, and a fresh engine built with
+(``paci_stats()["tied"]``: ``pending_sends``, ``pending_receives``, the most per peer), and seconds per call
+over the interval (all of it, and ``train_batch`` alone). After the run the engine drains, saves a last checkpoint, and a fresh engine built with
 another seed loads ``latest`` and is compared with the trained weights (``resume_matches``).
 
 Output: ``--out`` (JSON) holds the arguments, the per-rank series and a summary per rank
