@@ -13,8 +13,9 @@ so the disk does not fill. Every ``--sample-every`` calls (and after the last) e
 call index, wall time, resident set (``VmRSS`` of ``/proc/self/status``), Python objects tracked by the garbage
 collector, the machine's 1-minute load average, the tied exchange's sends and receives in flight
 (``paci_stats()["tied"]``: ``pending_sends``, ``pending_receives``, the most per peer), and seconds per call
-over the interval (all of it, and ``train_batch`` alone). After the run the engine drains, saves a last checkpoint, and a fresh engine built with
-another seed loads ``latest`` and is compared with the trained weights (``resume_matches``).
+over the interval (all of it, and ``train_batch`` alone). After the run the engine drains, saves a last
+checkpoint, and a fresh engine built with another seed loads ``latest`` and is compared with the trained weights
+(``resume_matches``).
 
 Output: ``--out`` (JSON) holds the arguments, the per-rank series and a summary per rank
 (:func:`summarize_rank`): resident set at the first sample at or after 10% of the calls and at the last
