@@ -249,6 +249,11 @@ def _load_range(result: dict) -> str:
             f"{statistics.median(loads):.1f}")
 
 
+def _load(summary, part):
+    value = summary.get(f"median_load1_{part}_10pct")
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def soak_markdown(result: dict, growth_limit_pct: float = 2.0) -> str:
     """A markdown section of ``result`` (what ran, the command, when, the per-rank table, the verdict)."""
     job, summary = result["job"], result["summary"]
@@ -273,14 +278,14 @@ def soak_markdown(result: dict, growth_limit_pct: float = 2.0) -> str:
         f"    nice -n 10 .venv/bin/{result.get('command', 'python -m ds_paci.tools.soak')}",
         "",
         "| rank | stage | replica | RSS at call | RSS at 10% (MiB) | RSS at end (MiB) | growth | tied sends / receives "
-        "in flight, max per peer (bound L + 1) | s/call, median first 10% | last 10% | resume |",
+        "in flight, max per peer (bound L + 1) | s/call, median first 10% (load) | last 10% (load) | resume |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         out.append(f"| {s['rank']} | {s['stage']} | {s['dp']} | {s['call_at_10pct']} | {s['rss_mib_at_10pct']:.1f} | "
                    f"{s['rss_mib_end']:.1f} | {s['rss_growth_pct']:+.2f}% | {s['max_pending_sends']} / "
-                   f"{s['max_pending_receives']} ({s['pending_bound']}) | {s['median_s_per_call_first_10pct']:.3f} | "
-                   f"{s['median_s_per_call_last_10pct']:.3f} | "
+                   f"{s['max_pending_receives']} ({s['pending_bound']}) | {s['median_s_per_call_first_10pct']:.3f} "
+                   f"({_load(s, 'first')}) | {s['median_s_per_call_last_10pct']:.3f} ({_load(s, 'last')}) | "
                    f"{'loads, equal' if s['resume_matches'] else 'DIFFERS'} |")
     verdict = "below" if worst < growth_limit_pct else "NOT below"
     out += ["", f"Resident memory after the first 10% grows by at most {worst:+.2f}% to the end: {verdict} the "

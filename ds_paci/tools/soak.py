@@ -218,6 +218,8 @@ def summarize_rank(result: dict, calls: int) -> dict:
         "median_s_per_call_last_10pct": _median_of(samples[-tenth:], "s_per_call"),
         "median_train_s_per_call_first_10pct": _median_of(samples[:tenth], "train_s_per_call"),
         "median_train_s_per_call_last_10pct": _median_of(samples[-tenth:], "train_s_per_call"),
+        "median_load1_first_10pct": _median_of(samples[:tenth], "load1"),
+        "median_load1_last_10pct": _median_of(samples[-tenth:], "load1"),
         "resume_matches": result["resume_matches"], "loaded": result["loaded"],
     }
 
@@ -243,13 +245,13 @@ def _commit() -> str | None:
 def run_soak(job: SoakJob, *, log_dir: str | None = None, timeout: float = 3600.0) -> dict:
     """Run the soak world; returns ``{"job", "commit", "started", "seconds", "load_avg", "ranks", "summary"}``."""
     from ds_paci.tools.world import run_world
-    started, load_start = time.time(), os.getloadavg()
+    started, load_start, commit = time.time(), os.getloadavg(), _commit()
     results = run_world(soak_rank, job.stages * job.dp, job, timeout=timeout, log_dir=log_dir,
                         gloo_timeout_s=min(timeout, 600))
     for r in results:
         r["stats"] = {k: r["stats"].get(k) for k in ("train_batch_calls", "drains", "skipped_steps", "tied",
                                                   "lookahead")}
-    return {"job": asdict(job), "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "commit": _commit(),
+    return {"job": asdict(job), "seq_len": SEQ_LEN, "micro_batch": MICRO_BATCH, "commit": commit,
             "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
             "seconds": round(time.time() - started, 1), "load_avg": {"start": load_start, "end": os.getloadavg()},
             "ranks": results, "summary": [summarize_rank(r, job.calls) for r in results]}
