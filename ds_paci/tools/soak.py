@@ -52,7 +52,7 @@ class SoakJob:
     calls: int = 3000
     stages: int = 2
     dp: int = 2
-    micro_batches: int = 4
+    micro_batches: int = 2
     window: int = 0  # "accumulation_window"; 0: DeepSpeed's gradient_accumulation_steps (one local step per call)
     eval_every: int = 100
     save_every: int = 500
