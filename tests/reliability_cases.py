@@ -254,11 +254,23 @@ def _load(summary, part):
     return "n/a" if value is None else f"{value:.1f}"
 
 
+def _object_spread(result):
+    """The widest range of the garbage collector's object count after 10% of the calls, over the ranks."""
+    calls = result["job"]["calls"]
+    spans = []
+    for r in result["ranks"]:
+        counts = [s["gc_objects"] for s in r["samples"] if s["call"] >= calls / 10]
+        spans.append((max(counts) - min(counts), min(counts), max(counts), counts[0], counts[-1]))
+    span, low, high, first, last = max(spans)
+    return f"between {low:,} and {high:,} on the widest rank ({first:,} at 10%, {last:,} at the end)"
+
+
 def soak_markdown(result: dict, growth_limit_pct: float = 2.0) -> str:
     """A markdown section of ``result`` (what ran, the command, when, the per-rank table, the verdict)."""
     job, summary = result["job"], result["summary"]
     window = job.get("window") or job["micro_batches"]
     worst = max(s["rss_growth_pct"] for s in summary)
+    objects = _object_spread(result)
     bound_ok = all(s["max_pending_sends"] <= s["pending_bound"] and s["max_pending_receives"] <= s["pending_bound"]
                    for s in summary if s["pending_bound"] is not None)
     out = [
@@ -273,7 +285,7 @@ def soak_markdown(result: dict, growth_limit_pct: float = 2.0) -> str:
         "(another seed) loading `latest`.",
         "",
         f"Command (commit `{result['commit']}`, started {result['started']}, {result['seconds'] / 60:.0f} minutes, "
-        f"{_load_range(result)}; result: `docs/results/soak/soak.json`):",
+        f"{_load_range(result)}; its `--out` file is kept as `docs/results/soak/soak.json`):",
         "",
         f"    nice -n 10 .venv/bin/{result.get('command', 'python -m ds_paci.tools.soak')}",
         "",
@@ -290,7 +302,9 @@ def soak_markdown(result: dict, growth_limit_pct: float = 2.0) -> str:
     verdict = "below" if worst < growth_limit_pct else "NOT below"
     out += ["", f"Resident memory after the first 10% grows by at most {worst:+.2f}% to the end: {verdict} the "
             f"{growth_limit_pct:g}% target on every rank. Tied transfers in flight "
-            f"{'stay within' if bound_ok else 'EXCEED'} the bound on every rank. Seconds per call include the "
+            f"{'stay within' if bound_ok else 'EXCEED'} the bound on every rank. Python objects tracked by the "
+            f"garbage collector, from 10% to the end: {objects} (the tool's own sample and evaluation records "
+            "included). Seconds per call include the "
             "evaluations and saves of their interval and follow the machine's load (shared, 2 cores): a figure, "
             "not a target."]
     return "\n".join(out) + "\n"
