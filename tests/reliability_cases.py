@@ -12,6 +12,7 @@ A case whose ``tests`` is ``PENDING`` is rendered as "pending" and needs no test
 
 import ast
 import os
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,7 +226,100 @@ CASES = [
      "every rank stops with one `PACINonFiniteError` line naming itself, the stage, the step, the limit and what to "
      "try (a lower learning rate, the data); the main job exits with code 3",
      ["tests/test_nonfinite.py::test_consecutive_skips_stop_every_rank_with_one_line"]),
+    # -- long runs -------------------------------------------------------------------------------------------
+    ("Long runs", "memory, transfers in flight and saves over a long async run (the soak benchmark, below)",
+     "`ds_paci.tools.soak` on 2 stages with a tied embedding, the look-ahead, a = 1 (L = 2): 120 calls, an "
+     "`eval_batch` and a `save_checkpoint` every 40, a sample every 10 calls (the benchmark itself: thousands of "
+     "calls on 2 stages x 2 replicas)",
+     "every rank samples every interval; the tied sends and receives in flight, read through `paci_stats()`, never "
+     "exceed L + 1 per peer (L between calls, none after a drain); only the newest 2 checkpoints stay on disk, "
+     "`latest` names the last, complete, and a fresh engine loading it holds the trained weights; memory growth "
+     "and seconds per call are figures of the benchmark, never asserted",
+     ["tests/test_soak.py::test_a_short_soak_samples_every_rank_bounds_tied_transfers_and_resumes"]),
 ]
+
+SOAK_RESULT = os.path.join(ROOT, "docs", "results", "soak", "soak.json")
+
+
+def _load_range(result: dict) -> str:
+    loads = [s["load1"] for r in result["ranks"] for s in r["samples"] if "load1" in s]
+    if not loads:
+        return f"{result['load_avg']['start'][0]:.1f} at the start, {result['load_avg']['end'][0]:.1f} at the end"
+    return (f"1-minute load average {min(loads):.1f} to {max(loads):.1f} over the samples, median "
+            f"{statistics.median(loads):.1f}")
+
+
+def _load(summary, part):
+    value = summary.get(f"median_load1_{part}_10pct")
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _object_spread(result):
+    """The widest range of the garbage collector's object count after 10% of the calls, over the ranks."""
+    calls = result["job"]["calls"]
+    spans = []
+    for r in result["ranks"]:
+        counts = [s["gc_objects"] for s in r["samples"] if s["call"] >= calls / 10]
+        spans.append((max(counts) - min(counts), min(counts), max(counts), counts[0], counts[-1]))
+    span, low, high, first, last = max(spans)
+    return f"between {low:,} and {high:,} on the widest rank ({first:,} at 10%, {last:,} at the end)"
+
+
+def soak_markdown(result: dict, growth_limit_pct: float = 2.0) -> str:
+    """A markdown section of ``result`` (what ran, the command, when, the per-rank table, the verdict)."""
+    job, summary = result["job"], result["summary"]
+    window = job.get("window") or job["micro_batches"]
+    worst = max(s["rss_growth_pct"] for s in summary)
+    objects = _object_spread(result)
+    bound_ok = all(s["max_pending_sends"] <= s["pending_bound"] and s["max_pending_receives"] <= s["pending_bound"]
+                   for s in summary if s["pending_bound"] is not None)
+    out = [
+        f"{job['stages']} pipeline stages x {job['dp']} data-parallel replicas = {job['stages'] * job['dp']} ranks "
+        f"over gloo on the CPU; a tiny GPT-2 ({job['n_layer']} blocks, width {job['n_embd']}, byte vocabulary, "
+        f"sequences of {result.get('seq_len', 32)}) with its token embedding tied to the LM head across the first "
+        f"and last stage; PACI async with the look-ahead, M = {job['micro_batches']} micro-batches of "
+        f"{result.get('micro_batch', 2)} per call, "
+        f"a = {window}; DeepSpeed's AdamW, clipping 1.0. {job['calls']} `train_batch` calls, an `eval_batch` every "
+        f"{job['eval_every']} calls, a `save_checkpoint` every {job['save_every']} calls (the newest {job['keep']} "
+        f"kept), a sample every {job['sample_every']} calls; then a drain, a last save, and a fresh engine "
+        "(another seed) loading `latest`.",
+        "",
+        f"Command (commit `{result['commit']}`, started {result['started']}, {result['seconds'] / 60:.0f} minutes, "
+        f"{_load_range(result)}; its `--out` file is kept as `docs/results/soak/soak.json`):",
+        "",
+        f"    nice -n 10 .venv/bin/{result.get('command', 'python -m ds_paci.tools.soak')}",
+        "",
+        "| rank | stage | replica | RSS at call | RSS at 10% (MiB) | RSS at end (MiB) | growth | tied sends / receives "
+        "in flight, max per peer (bound L + 1) | s/call, median first 10% (load) | last 10% (load) | resume |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        out.append(f"| {s['rank']} | {s['stage']} | {s['dp']} | {s['call_at_10pct']} | {s['rss_mib_at_10pct']:.1f} | "
+                   f"{s['rss_mib_end']:.1f} | {s['rss_growth_pct']:+.2f}% | {s['max_pending_sends']} / "
+                   f"{s['max_pending_receives']} ({s['pending_bound']}) | {s['median_s_per_call_first_10pct']:.3f} "
+                   f"({_load(s, 'first')}) | {s['median_s_per_call_last_10pct']:.3f} ({_load(s, 'last')}) | "
+                   f"{'loads, equal' if s['resume_matches'] else 'DIFFERS'} |")
+    verdict = "below" if worst < growth_limit_pct else "NOT below"
+    out += ["", f"Resident memory after the first 10% grows by at most {worst:+.2f}% to the end: {verdict} the "
+            f"{growth_limit_pct:g}% target on every rank. Tied transfers in flight "
+            f"{'stay within' if bound_ok else 'EXCEED'} the bound on every rank. Python objects tracked by the "
+            f"garbage collector, from 10% to the end: {objects} (the tool's own sample and evaluation records "
+            "included). Seconds per call include the "
+            "evaluations and saves of their interval and follow the machine's load (shared, 2 cores): a figure, "
+            "not a target."]
+    return "\n".join(out) + "\n"
+
+
+def render_soak():
+    """The soak benchmark's section, from its result file (none when the file is absent)."""
+    import json
+    if not os.path.exists(SOAK_RESULT):
+        return []
+    with open(SOAK_RESULT) as f:
+        return ["", "## Soak", "", "The soak benchmark (issue 16, item 9; `ds_paci/tools/soak.py`): resident memory, "
+                "the tied exchange's transfers in flight and seconds per call sampled over a long asynchronous run "
+                "with evaluations and saves. Its figures, regenerated with this page from "
+                "`docs/results/soak/soak.json`:", "", soak_markdown(json.load(f)).rstrip("\n")]
 
 
 def render():
@@ -247,7 +341,7 @@ def render():
         where = "pending" if tests == PENDING else "<br>".join(f"`{t.split('::')[1]}` ({t.split('::')[0]})"
                                                                    for t in tests)
         out.append(f"| {fault} | {how} | {behaviour} | {where} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + render_soak()) + "\n"
 
 
 def test_functions(path):

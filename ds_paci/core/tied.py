@@ -262,6 +262,7 @@ class TiedWeights:
         self.skipped_windows = 0
         self.clipped_windows = 0
         self.max_pending_sends = 0
+        self.max_pending_receives = 0
         self.wait_seconds = 0.0
         self.max_wait_seconds = 0.0
         self.drain_wait_seconds = 0.0
@@ -295,6 +296,7 @@ class TiedWeights:
             ex.sends[r].append((version, send, message))
         self.max_pending_sends = max([self.max_pending_sends] + [len(q) for q in ex.sends.values()])
         ex.pending[version] = {"own": message, "recv": {r: (works[r][1], buffers[r]) for r in ex.peers}}
+        self.max_pending_receives = max(self.max_pending_receives, self._pending_receives())
 
     def _wait(self, work, what, in_drain):
         watchdog = self.engine._watchdog
@@ -509,8 +511,20 @@ class TiedWeights:
                         f"(stage {stage}) {when}: {' and '.join(what)} are not bit-identical")
         self.checks += 1
 
+    def _pending_receives(self):
+        """The most receives from one peer posted and not yet waited for (restored or settled ones excluded)."""
+        counts = [sum(1 for entry in ex.pending.values() if not isinstance(entry["recv"][r][0], Received))
+                  for ex in self.exchanges for r in ex.peers]
+        return max([0] + counts)
+
     def stats(self):
-        """Telemetry for ``paci_stats()['tied']``."""
+        """Telemetry for ``paci_stats()['tied']``.
+
+        Transfers in flight (read-only; the module docstring bounds each by ``L + 1`` per peer):
+        ``pending_sends`` / ``pending_receives`` are the most sends / receives to or from one peer posted and not
+        yet waited on now, ``max_pending_sends`` / ``max_pending_receives`` the most since construction
+        (counted right after each post, before the step waits).
+        """
         return {
             "keys": sorted(self.owners),
             "owner_stages": {k: list(v) for k, v in self.owners.items()},
@@ -520,6 +534,8 @@ class TiedWeights:
             "pending_windows": sorted({v for ex in self.exchanges for v in ex.pending}),
             "pending_sends": max([0] + [len(q) for ex in self.exchanges for q in ex.sends.values()]),
             "max_pending_sends": self.max_pending_sends,
+            "pending_receives": self._pending_receives(),
+            "max_pending_receives": self.max_pending_receives,
             "windows_exchanged": self.windows_exchanged,
             "skipped_windows": self.skipped_windows,
             "clipped_windows": self.clipped_windows,
