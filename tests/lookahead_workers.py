@@ -19,6 +19,13 @@ def _layers(engine):
     return [m for m in engine.module.modules() if isinstance(m, TanhLayer)]
 
 
+def _hook_layers(engine, on_forward, on_backward):
+    """``on_forward`` before every layer's forward, ``on_backward`` before its backward."""
+    for layer in _layers(engine):
+        layer.register_forward_pre_hook(on_forward)
+        layer.register_full_backward_pre_hook(on_backward)
+
+
 def _snapshot(engine):
     return {k: v.detach().double().clone() for k, v in engine.module.state_dict().items()}
 
@@ -103,9 +110,7 @@ def views(rank, stages, gas, calls, restore, save_dir):
         if state["raise"] and engine.is_last_stage():
             raise RuntimeError("injected failure inside a backward")
 
-    for layer in _layers(engine):
-        layer.register_forward_pre_hook(on_forward)
-        layer.register_full_backward_pre_hook(on_backward)
+    _hook_layers(engine, on_forward, on_backward)
 
     data = regression_batches(MICRO)
     for _ in range(calls):
@@ -442,9 +447,7 @@ def failure_at(stages, gas, point):
         if state["armed"] and engine.is_last_stage():
             raise RuntimeError("injected failure inside a backward")
 
-    for layer in _layers(engine):
-        layer.register_forward_pre_hook(on_forward)
-        layer.register_full_backward_pre_hook(on_backward)
+    _hook_layers(engine, on_forward, on_backward)
     data = regression_batches(MICRO)
     for _ in range(2):
         engine.train_batch(data)
