@@ -35,7 +35,7 @@ Contract (see also ``docs``/README):
   ``train_batch_size()`` to ``global_samples`` (default checkpoint tags ``global_step<N>``,
   the monitors' x-axis); the same on every stage, whatever ``a``. The LR scheduler follows the
   samples a stage has consumed, one scheduler step per ``M`` micro-batches its local steps
-  took (``LocalStep.lr_steps``, :mod:`ds_paci.core.schedule`); with ``a = M`` that is one per
+  took (``Action.lr_steps`` of its ``STEP`` actions, :mod:`ds_paci.core.schedule`); with ``a = M`` that is one per
   local step. ``skipped_steps`` counts this stage's skipped local steps.
 * Checkpoints are atomic (:mod:`ds_paci.core.checkpoint`): ``latest`` only ever
   names a complete checkpoint, and ``load_checkpoint`` verifies completeness first.
@@ -85,8 +85,6 @@ from collections import OrderedDict
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
-from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicroBatch, RecvActivation, RecvGrad,
-                                             SendActivation, SendGrad)
 from deepspeed.utils import logger
 
 from . import checkpoint, compat, window_state
@@ -98,14 +96,16 @@ from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_
 from .lookahead import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
-from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
+from .passes import lower_call
+from .program import Kind, format_action
+from .schedule import PACIStream, drift_bound
 from .telemetry import StageTelemetry
 from .tied import TiedWeights, tied_owner_stages
 from .watchdog import Watchdog
 
 
 def _describe_instruction(instruction):
-    return instruction if isinstance(instruction, str) else format_instruction(instruction)
+    return instruction if isinstance(instruction, str) else format_action(instruction, facts=False)
 
 
 class PACIStreamError(RuntimeError):
@@ -113,9 +113,10 @@ class PACIStreamError(RuntimeError):
 
 
 def _buffer_op(fn):
+    """A DeepSpeed ``_exec_*`` method that takes a buffer id, run for an action (its micro-batch's buffer)."""
 
-    def run(engine, cmd):
-        return fn(engine, cmd.buffer_id)
+    def run(engine, action):
+        return fn(engine, action.micro_batch % engine._stream.nbuf)
 
     run.__name__ = fn.__name__
     return run
@@ -152,8 +153,6 @@ class PACIPipelineEngine(PipelineEngine):
         self._calls = 0
         self._loss_calls = 0  # train_batch and drain calls: one side-channel message each
         self._drains = 0
-        self._deferred_steps = []
-        self._releasing_steps = False
         self._skips = SkipCounter(self.paci.max_consecutive_skips)
         self._stop_request = None
         self._paci_grad_norm = None
@@ -226,9 +225,11 @@ class PACIPipelineEngine(PipelineEngine):
         self.module.train()
         self._begin_losses()
         self.timers(TRAIN_BATCH_TIMER).start()
-        self._run(self._stream.advance(2 * self.micro_batches))
-        if self.paci.drain_every_batch:
-            self._run_drain(close_window=self._stock_step)  # a = M: nothing is left open anyway
+        ticks = self._stream.advance(2 * self.micro_batches)
+        if self.paci.drain_every_batch:  # a = M: nothing is left open anyway
+            self._run_call(ticks, self._stream.drain(self._stock_step), carry=not self._stock_step)
+        else:
+            self._run_call(ticks)
         if not self._stock_step:  # one step per call, as the stock engine counts (sync mode: DeepSpeed's step did)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
@@ -409,23 +410,34 @@ class PACIPipelineEngine(PipelineEngine):
 
     # -- stream execution -------------------------------------------------------------
     def _run_drain(self, close_window):
-        ticks = self._stream.drain(close_window)
-        if self._tied is not None:
-            self._tied.begin_drain(ticks, carry=not close_window)
-        self._run(ticks)
-        self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
-        if self._deferred_steps:  # sync mode: the call's local step(s) after its last tick, as DeepSpeed steps
-            steps, self._deferred_steps = self._deferred_steps, []
-            self._releasing_steps = True
-            try:
-                self._run([steps], first_tick=self._stream.ticks_emitted)
-            finally:
-                self._releasing_steps = False
-        if self._tied is not None:  # a tied owner's last step of the segment, after every stage has posted
-            self._tied.end_drain(self._local_step, self._stream.ticks_emitted - 1)
+        self._run_call([], self._stream.drain(close_window), carry=not close_window)
+
+    def lower(self, ticks, drain_ticks=None, carry=False):
+        """This stage's program for one call: the stream's ticks (and a drain's) through the passes it needs
+        (:func:`ds_paci.core.passes.lower_call`): sync mode's steps at the end of the call, a tied owner's
+        exchange and its last step of a drain after the drain. What :meth:`run_program` executes."""
+        tied = None
+        if self._tied is not None and self._tied.exchanges and not self._stock_step:
+            tied = (self._tied.pending_windows(), self._tied.lag)
+        return lower_call(ticks, drain_ticks, sync_steps=self._stock_step, tied=tied, carry=carry)
+
+    def _run_call(self, ticks, drain_ticks=None, carry=False):
+        first_tick = self._stream.ticks_emitted - len(ticks) - len(drain_ticks or [])
+        program = self.lower(ticks, drain_ticks, carry)
+        self.run_program(program, first_tick, drains=drain_ticks is not None, carry=carry)
+
+    def run_program(self, program, first_tick=None, drains=False, carry=False):
+        """Execute one call's lowered ``program`` (this stage's ticks of actions). ``drains``: it ends with a
+        drain (``carry``: one that leaves the window open); the drain's bookkeeping follows it."""
+        self._run(program, first_tick)
+        if drains:
+            self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
+            if self._tied is not None:  # settle or check the exchange, compare the copies
+                stepped = bool(program) and any(a.kind is Kind.STEP and a.in_drain for a in program[-1])
+                self._tied.finish_drain(carry, stepped)
 
     def _run(self, ticks, first_tick=None):
-        table = self._PACI_INSTRUCTIONS
+        table = self._PACI_ACTIONS
         telemetry, watchdog = self.telemetry, self._watchdog
         if first_tick is None:
             first_tick = self._stream.ticks_emitted - len(ticks)
@@ -438,10 +450,10 @@ class PACIPipelineEngine(PipelineEngine):
                     watchdog.enter(cmd, tick_id)
                     if telemetry.tracing:
                         start = time.time()
-                        table[type(cmd)](self, cmd)
-                        telemetry.record(format_instruction(cmd), start, time.time())
+                        table[cmd.kind](self, cmd)
+                        telemetry.record(format_action(cmd, facts=False), start, time.time())
                     else:
-                        table[type(cmd)](self, cmd)
+                        table[cmd.kind](self, cmd)
                     watchdog.done()
         except (PACINonFiniteError, CrossStageCollectiveError):
             raise
@@ -450,8 +462,8 @@ class PACIPipelineEngine(PipelineEngine):
             notice = self._channel.stop_notice(wait_s=2.0) if self._channel.active else None
             if notice is not None:
                 raise PACINonFiniteError(self._stop_text(notice)) from e
-            raise PACIStreamError(f"{self._describe_rank()} failed in {format_instruction(cmd)} at tick {tick_id} "
-                                  f"of its stream: {type(e).__name__}: {e}") from e
+            raise PACIStreamError(f"{self._describe_rank()} failed in {format_action(cmd, facts=False)} at tick "
+                                  f"{tick_id} of its stream: {type(e).__name__}: {e}") from e
         finally:
             watchdog.idle()
             self._in_stream = False
@@ -469,13 +481,14 @@ class PACIPipelineEngine(PipelineEngine):
         return batch
 
     def _exec_paci_forward(self, cmd):
-        self.telemetry.forward(cmd.buffer_id)
+        buffer_id = cmd.micro_batch % self._stream.nbuf
+        self.telemetry.forward(buffer_id)
         if self._lookahead is not None and cmd.crosses_step:
             # this micro-batch's backward comes after the next local step: forward on the predicted next weights
             with self._lookahead.applied(cmd.window_fill, self._stream.window):
-                PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
+                PipelineEngine._exec_forward_pass(self, buffer_id)
         else:
-            PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
+            PipelineEngine._exec_forward_pass(self, buffer_id)
 
     def _exec_paci_backward(self, cmd):
         if self.is_last_stage() and not self._stock_step:
@@ -483,21 +496,16 @@ class PACIPipelineEngine(PipelineEngine):
             factor = compat.last_stage_loss_factor(self.micro_batches, self._stream.window)
             if factor != 1.0:
                 self.loss = self.loss * factor
-        PipelineEngine._exec_backward_pass(self, cmd.buffer_id)
+        PipelineEngine._exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
 
     def _exec_local_accumulate(self, cmd):
-        self.telemetry.accumulate(cmd.buffer_id, cmd.micro_batch_id)
+        self.telemetry.accumulate(cmd.micro_batch % self._stream.nbuf, cmd.micro_batch)
 
-    def _exec_local_step(self, cmd):
-        if self._stock_step and not self._releasing_steps:
-            self._deferred_steps.append(cmd)  # run at the end of the call (see _run_drain)
-            return
-        if self._tied is not None and not self._stock_step and self._tied.defer(cmd):
-            return  # the segment's last step of a tied owner runs at the end of the drain
-        self._local_step(cmd)
+    def _exec_tied(self, cmd):
+        self._tied.expect(cmd)  # TPOST/TAPPLY: run inside the local step that follows (see ds_paci.core.passes)
 
     def _local_step(self, cmd):
-        """Run local step ``cmd`` (a :class:`LocalStep`); the first async one under the collective guard, if on."""
+        """Run local step ``cmd`` (a ``STEP`` action); the first async one under the collective guard, if on."""
         guard = self._collective_guard
         if guard is not None and not guard.done:
             with guard:
@@ -541,16 +549,19 @@ class PACIPipelineEngine(PipelineEngine):
             return super().clip_fp32_gradients()
         clip_by_norm(self.module.parameters(), self.gradient_clipping(), self._paci_grad_norm)
 
-    _PACI_INSTRUCTIONS = {
-        LoadMicroBatch: _buffer_op(PipelineEngine._exec_load_micro_batch),
-        ForwardPass: _exec_paci_forward,
-        BackwardPass: _exec_paci_backward,
-        SendActivation: _buffer_op(PipelineEngine._exec_send_activations),
-        RecvActivation: _buffer_op(PipelineEngine._exec_recv_activations),
-        SendGrad: _buffer_op(PipelineEngine._exec_send_grads),
-        RecvGrad: _buffer_op(PipelineEngine._exec_recv_grads),
-        LocalAccumulate: _exec_local_accumulate,
-        LocalStep: _exec_local_step,
+    # The one place actions meet DeepSpeed: each kind of action to the method that runs it.
+    _PACI_ACTIONS = {
+        Kind.LOAD: _buffer_op(PipelineEngine._exec_load_micro_batch),
+        Kind.FORWARD: _exec_paci_forward,
+        Kind.BACKWARD: _exec_paci_backward,
+        Kind.SEND_ACT: _buffer_op(PipelineEngine._exec_send_activations),
+        Kind.RECV_ACT: _buffer_op(PipelineEngine._exec_recv_activations),
+        Kind.SEND_GRAD: _buffer_op(PipelineEngine._exec_send_grads),
+        Kind.RECV_GRAD: _buffer_op(PipelineEngine._exec_recv_grads),
+        Kind.ACCUMULATE: _exec_local_accumulate,
+        Kind.STEP: lambda engine, cmd: engine._local_step(cmd),
+        Kind.TIED_POST: _exec_tied,
+        Kind.TIED_APPLY: _exec_tied,
     }
 
     # -- losses and logging -----------------------------------------------------------
@@ -652,13 +663,14 @@ class PACIPipelineEngine(PipelineEngine):
         notice = self._channel.sniff_stop() if self._channel.active else None
         if notice is not None:
             return "; " + self._stop_text(notice)
-        if isinstance(instruction, (SendActivation, RecvGrad)):
+        kind = getattr(instruction, "kind", None)
+        if kind in (Kind.SEND_ACT, Kind.RECV_GRAD):
             return (f"; it is waiting for stage {self.stage_id + 1}, which is stuck, dead or running a different "
                     "stream")
-        if isinstance(instruction, (SendGrad, RecvActivation)):
+        if kind in (Kind.SEND_GRAD, Kind.RECV_ACT):
             return (f"; it is waiting for stage {self.stage_id - 1}, which is stuck, dead or running a different "
                     "stream")
-        if isinstance(instruction, LocalStep):
+        if kind in (Kind.STEP, Kind.TIED_POST, Kind.TIED_APPLY):
             return ("; it is stuck in its own local step (optimizer, or the gradient reduce with its data-parallel "
                     "replicas)")
         if isinstance(instruction, str) and instruction.startswith("the loss"):

@@ -34,7 +34,7 @@ is the stock engine exactly):
 5. **Counters and the scheduler** (:func:`held_counters`): DeepSpeed's ``_take_model_step`` steps the LR
    scheduler once and adds one to ``global_steps`` (and ``train_batch_size`` to ``global_samples``) per
    optimizer step. An async local step is not a ``train_batch`` call: the engine counts calls itself (as
-   the stock engine's one step per call does), and steps the scheduler ``LocalStep.lr_steps`` times
+   the stock engine's one step per call does), and steps the scheduler ``lr_steps`` times (the ``STEP`` action's fact)
    (:func:`step_lr`; :mod:`ds_paci.core.schedule` states the rule).
 4. **Clipping** (:func:`clipping_policy`): ``gradient_clipping`` > 0 clips by that stage-local norm. When
    the config does not set ``gradient_clipping`` (DeepSpeed's default, 1.0 from 0.19.3, clips by a norm over

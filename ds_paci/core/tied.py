@@ -61,14 +61,14 @@ point-to-point transfers of stages that step at different ticks). The policy her
   tied parameter at different offsets, so there the tied gradients (and the finite flag) are
   averaged over the stage's data-parallel group here first (an extra within-stage all-reduce of the
   tied parameters only); ZeRO's own reduce then carries zeros for them.
-* **Drain.** Each owner's last local step of a segment runs after the drain's last tick (nothing
-  on that stage reads the weights in between): there every owner posts its last window, waits for
+* **Drain.** Each owner's last local step of a segment runs after the drain's last tick (the pass
+  :func:`~ds_paci.core.passes.defer_tied_last_step` puts it there; nothing on that stage reads the weights in between): there every owner posts its last window, waits for
   the peers' (all owners have posted by then). What it applies depends on the drain:
 
   - A drain that **closes** the accumulation window (``drain()``: the end of training, a change of
     the batch size) applies the totals of every window not yet applied (each with its own verdict
     and factor), summed in window order, and waits on every send: nothing stays pending.
-  - A drain that **carries** the window (evaluation, checkpoints; ``begin_drain(..., carry=True)``)
+  - A drain that **carries** the window (evaluation, checkpoints; ``drain(close_window=False)``)
     applies only what a normal step applies: the last ``L`` windows stay pending into the next
     segment, so the tied weights see the same windows at the same steps however often the run is
     drained (and ``L + 1`` sends per peer stays the bound). The step is deferred there only when it
@@ -102,9 +102,8 @@ from collections import deque
 import torch
 import torch.distributed as tdist
 
-from deepspeed.runtime.pipe.schedule import BackwardPass
 
-from .schedule import LocalStep
+from .program import Kind
 from .tied_optimizer import TiedOptimizer
 from .tied_timing import tied_lag
 
@@ -204,10 +203,13 @@ class TiedWeights:
     """Engine side of the tied-weight policy for one rank (see the module docstring).
 
     Built by :meth:`create` in the engine's constructor on every rank (it creates process groups).
-    Hooks: :meth:`reduce_grads` replaces the engine's data-parallel reduce in a local step and
-    :meth:`step` its optimizer part on an owner; :meth:`begin_drain` / :meth:`defer` /
-    :meth:`end_drain` move an owner's last step of a segment after the drain; :meth:`verify`
-    compares the copies; :meth:`stats` for ``paci_stats()``.
+    Hooks: :meth:`expect` takes the program's ``TPOST``/``TAPPLY`` actions before a step
+    (:func:`ds_paci.core.passes.add_tied_exchange` places them, the owner's last step of a drain
+    already moved after it by :func:`~ds_paci.core.passes.defer_tied_last_step`);
+    :meth:`reduce_grads` replaces the engine's data-parallel reduce in a local step and runs what they
+    say; :meth:`step` its optimizer part on an owner; :meth:`finish_drain` after a drain's program;
+    :meth:`pending_windows` for the next call's pass; :meth:`verify` compares the copies;
+    :meth:`stats` for ``paci_stats()``.
     """
 
     @classmethod
@@ -254,10 +256,8 @@ class TiedWeights:
                     p.ds_pipe_replicated = False
         self.mode = self.optimizer.mode
         self._totals = None  # {id(param): total or None}, from reduce_grads for step
-        self._final = None  # version of the segment's last step, when deferred (set by begin_drain)
-        self._carry = False  # the current drain carries pending windows into the next segment
+        self._plan = {}  # the program's TPOST/TAPPLY facts for the next step (set by expect)
         self._last_lag = None  # the lag of the previous step (set_train_batch_size may change it)
-        self._deferred = None
         self.windows_exchanged = 0
         self.skipped_windows = 0
         self.clipped_windows = 0
@@ -344,10 +344,15 @@ class TiedWeights:
                 self._wait(work, f"waiting for rank {r} to take this rank's tied gradients of weight version {v} "
                            f"(keys {ex.keys})", in_drain=in_drain)
 
-    def _due_total(self, ex, version, final, in_drain):
-        """The total this step applies for ``ex`` (zeros when nothing is due yet), or ``None`` when skipped."""
+    def _due_total(self, ex, version, final, in_drain, planned):
+        """The total this step applies for ``ex`` (zeros when nothing is due yet), or ``None`` when skipped.
+
+        ``planned``: the windows the program's ``TAPPLY`` names; this rank's own pending windows must agree."""
         lag = self.lag
         due = sorted(ex.pending) if final else [v for v in sorted(ex.pending) if v <= version - lag]
+        if tuple(due) != tuple(planned):
+            raise RuntimeError(f"tied exchange out of step: the program applies windows {list(planned)} at version "
+                               f"{version}, this rank has {due} due (pending {sorted(ex.pending)})")
         # one window per step (all at a closing drain); after the lag shrank (set_train_batch_size, through a
         # closing drain with no step of its own) the first step catches up on the windows the old lag held back
         extra = max(0, (self._last_lag or lag) - lag)
@@ -363,11 +368,22 @@ class TiedWeights:
         return applied
 
     # -- hooks -------------------------------------------------------------------------------
+    def expect(self, action):
+        """Take a ``TPOST``/``TAPPLY`` action of the program: what the next local step posts and applies."""
+        if action.kind is Kind.TIED_POST:
+            self._plan = {"post": action.version, "apply": (), "all": False, "in_drain": action.in_drain}
+        else:
+            self._plan.update(apply=action.windows, all=action.apply_all)
+
     def reduce_grads(self, version):
         """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
         engine = self.engine
-        deferred = version == self._final
-        final = deferred and not self._carry  # the step that applies every window not yet applied
+        plan, self._plan = self._plan, {}
+        if self.exchanges and plan.get("post") != version:
+            raise RuntimeError(f"tied exchange out of step: local step {version} without its TPOST{version} "
+                               f"(the program posts {plan.get('post')})")
+        deferred = plan.get("in_drain", False)  # the last step of a drain, after every owner has posted
+        final = plan.get("all", False)  # the step that applies every window not yet applied
         if self.mode != "zero" or not self.exchanges:
             engine._exec_reduce_grads()
         if not self.exchanges:
@@ -377,7 +393,7 @@ class TiedWeights:
         for ex in self.exchanges:
             self._post(ex, version, self._message(ex, stage_finite))
             self.optimizer.clear(ex.params)
-            total = self._due_total(ex, version, final, deferred)
+            total = self._due_total(ex, version, final, deferred, plan["apply"])
             offset = 0
             for p in ex.params:
                 self._totals[id(p)] = None if total is None else total[offset:offset + p.numel()]
@@ -395,42 +411,18 @@ class TiedWeights:
         self.engine._step_applied = applied
         return applied
 
-    def begin_drain(self, ticks, carry=False):
-        """Called with the drain's ticks before they run: the segment's last step will be deferred.
+    def pending_windows(self):
+        """The windows posted and not yet applied (the same on every exchange): the next call's pass starts there."""
+        return sorted(self.exchanges[0].pending) if self.exchanges else []
 
-        ``carry``: the drain leaves the accumulation window open and the exchange keeps its last ``L`` windows
-        pending; the last step is then deferred only if no backward pass follows it (see the module docstring).
+    def finish_drain(self, carry, stepped):
+        """After a drain's program: settle what stays pending, or check nothing does; then compare the copies.
+
+        ``carry``: the drain left the window open (pending windows stay for the next segment); ``stepped``: the
+        owner's last step of the drain ran after it (``in_drain``) and applied every pending window.
         """
-        self._carry = carry
-        self._final = None
-        if not self.exchanges:
-            return
-        last, after = None, False
-        for tick in ticks:
-            for i in tick:
-                if isinstance(i, LocalStep):
-                    last, after = i.version, False
-                elif isinstance(i, BackwardPass):
-                    after = True
-        if last is not None and not (carry and after):
-            self._final = last
-
-    def defer(self, cmd):
-        """True when ``cmd`` is this owner's last step of the segment: it runs in :meth:`end_drain` instead."""
-        if self._final is not None and cmd.version == self._final:
-            self._deferred = cmd
-            return True
-        return False
-
-    def end_drain(self, run_step, tick):
-        """After the drain's last tick: run the deferred step (every owner posts, then waits), then check."""
-        cmd, self._deferred = self._deferred, None
-        watchdog = self.engine._watchdog
         try:
-            if cmd is not None:
-                watchdog.enter(cmd, tick)
-                run_step(cmd)
-            if self._carry or cmd is None:  # nothing to apply them with: they stay pending for the next step
+            if carry or not stepped:  # nothing to apply them with: they stay pending for the next step
                 self._settle()
             else:
                 leftover = [v for ex in self.exchanges for v in ex.pending]
@@ -439,9 +431,7 @@ class TiedWeights:
             if self.check:
                 self.verify("after a drain")
         finally:
-            watchdog.idle()
-            self._final = None
-            self._carry = False
+            self._plan = {}
 
     def _settle(self):
         """At the end of a drain that leaves windows pending: wait for their receives (every owner posted them

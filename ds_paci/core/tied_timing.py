@@ -54,9 +54,7 @@ step when it follows the segment's last backward: the engine defers it to after 
 
 import math
 
-from deepspeed.runtime.pipe.schedule import BackwardPass, RecvActivation, RecvGrad, SendActivation, SendGrad
-
-from .schedule import LocalStep
+from .program import Kind
 
 __all__ = ["tied_lag", "tied_wait_violations", "minimal_tied_lag"]
 
@@ -75,7 +73,7 @@ def tied_lag(stages, owner_stages, window):
 
 
 def _execute(segments):
-    """Vector clocks of every LocalStep: ``{(stage, segment, window): clock}``, plus final windows per segment."""
+    """Vector clocks of every STEP: ``{(stage, segment, window): clock}``, plus final windows per segment."""
     P = len(segments)
     flat = []
     for s in range(P):
@@ -93,8 +91,8 @@ def _execute(segments):
     grad_read = [0] * P
     steps = {}
     window = [dict() for _ in range(P)]  # stage -> {segment: windows so far}
-    by_version = {}  # (stage, LocalStep.version) -> (segment, clock, whether a backward follows it in the segment)
-    last_backward = [{g: n for n, (g, ins) in enumerate(ops) if isinstance(ins, BackwardPass)} for ops in flat]
+    by_version = {}  # (stage, the STEP's version) -> (segment, clock, whether a backward follows it in the segment)
+    last_backward = [{g: n for n, (g, ins) in enumerate(ops) if ins.kind is Kind.BACKWARD} for ops in flat]
     progressed = True
     while progressed:
         progressed = False
@@ -102,14 +100,14 @@ def _execute(segments):
             while pos[s] < len(flat[s]):
                 g, ins = flat[s][pos[s]]
                 vc = clock[s]
-                if isinstance(ins, RecvActivation):
+                if ins.kind is Kind.RECV_ACT:
                     q = act[s - 1]
                     if act_read[s] >= len(q):
                         break
                     msg = q[act_read[s]]
                     act_read[s] += 1
                     clock[s] = vc = [max(x, y) for x, y in zip(vc, msg)]
-                elif isinstance(ins, RecvGrad):
+                elif ins.kind is Kind.RECV_GRAD:
                     q = grad[s]
                     if grad_read[s] >= len(q):
                         break
@@ -117,11 +115,11 @@ def _execute(segments):
                     grad_read[s] += 1
                     clock[s] = vc = [max(x, y) for x, y in zip(vc, msg)]
                 vc[s] += 1
-                if isinstance(ins, SendActivation):
+                if ins.kind is Kind.SEND_ACT:
                     act[s].append(list(vc))
-                elif isinstance(ins, SendGrad):
+                elif ins.kind is Kind.SEND_GRAD:
                     grad[s - 1].append(list(vc))
-                elif isinstance(ins, LocalStep):
+                elif ins.kind is Kind.STEP:
                     k = window[s].get(g, 0) + 1
                     window[s][g] = k
                     steps[(s, g, k)] = list(vc)
@@ -159,7 +157,7 @@ def tied_wait_violations(segments, owner_stages, lag, last_segment_drained=True,
     :meth:`PACIStream.advance` and :meth:`PACIStream.drain` return them). For every owner and
     every step ``k`` of a segment with ``k - lag >= 1`` (except the last step of a drained
     segment, which runs after the drain) each peer's step ``k - lag`` must happen before it.
-    ``carried``: windows are numbered over the whole stream (``LocalStep.version``; the exchange
+    ``carried``: windows are numbered over the whole stream (``the STEP's version``; the exchange
     carries pending windows across drains), and only a drained segment's last step that no backward
     pass follows is exempt (see the module docstring).
     """

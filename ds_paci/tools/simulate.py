@@ -46,7 +46,8 @@ from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicr
                                              RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
                                              TrainSchedule)
 
-from ds_paci.core.schedule import LocalAccumulate, LocalStep, PACIStream, format_instruction
+from ds_paci.core.program import Action, Kind, format_action
+from ds_paci.core.schedule import PACIStream
 
 from .records import COMPUTE_KINDS, records_from_sim
 from .render import to_chrome_trace, to_png, to_text_grid
@@ -235,13 +236,15 @@ class SimResult:
 
 # Operation codes (one per instruction family the simulator distinguishes).
 _FWD, _BWD, _STEP, _LOAD, _FREE, _SEND_ACT, _RECV_ACT, _SEND_GRAD, _RECV_GRAD = range(9)
+_ACTION_CODE = {
+    Kind.FORWARD: _FWD, Kind.BACKWARD: _BWD, Kind.STEP: _STEP, Kind.LOAD: _LOAD, Kind.ACCUMULATE: _FREE,
+    Kind.SEND_ACT: _SEND_ACT, Kind.RECV_ACT: _RECV_ACT, Kind.SEND_GRAD: _SEND_GRAD, Kind.RECV_GRAD: _RECV_GRAD,
+}
 _CODE_OF = {
     ForwardPass: _FWD,
     BackwardPass: _BWD,
-    LocalStep: _STEP,
     OptimizerStep: _STEP,
     LoadMicroBatch: _LOAD,
-    LocalAccumulate: _FREE,
     ReduceGrads: _FREE,
     ReduceTiedGrads: _FREE,
     SendActivation: _SEND_ACT,
@@ -259,6 +262,8 @@ _PARTNER = {
     _RECV_GRAD: (+1, _SEND_GRAD),
 }
 _STOCK_TEXT = {ReduceGrads: "REDUCE_GRADS", ReduceTiedGrads: "REDUCE_TIED"}
+_TEXT_CODE = {LoadMicroBatch: "L", ForwardPass: "F", BackwardPass: "B", SendActivation: "SA", RecvActivation: "RA",
+              SendGrad: "SG", RecvGrad: "RG"}
 
 
 class _Op(NamedTuple):
@@ -276,6 +281,15 @@ def _lower(stage, ticks, stages):
     ordinal = Counter()  # per instruction class, for instructions without micro_batch_id
     for t, tick in enumerate(ticks):
         for i, ins in enumerate(tick):
+            if isinstance(ins, Action):  # PACI's programs (until the simulator runs on core.program_run)
+                if ins.kind in (Kind.TIED_POST, Kind.TIED_APPLY):
+                    continue
+                code = _ACTION_CODE[ins.kind]
+                if code in _PARTNER and not 0 <= stage + _PARTNER[code][0] < stages:
+                    raise ValueError(f"stage {stage} tick {t}: {ins!r} has no neighbour stage to pair with")
+                mb = ins.version if code == _STEP else ins.micro_batch
+                ops.append(_Op(code, mb, code != _STEP, format_action(ins, facts=False), t, i))
+                continue
             code = _CODE_OF.get(type(ins))
             if code is None:
                 raise ValueError(f"stage {stage} tick {t}: the simulator does not model {ins!r}")
@@ -285,14 +299,15 @@ def _lower(stage, ticks, stages):
             ordinal[cls] += 1
             if code == _STEP:
                 mb, explicit = ordinal[cls], False
-                text = f"STEP{ins.version}" if isinstance(ins, LocalStep) else f"STEP{mb}"
+                text = f"STEP{mb}"
             elif cls in _STOCK_TEXT:
                 mb, explicit, text = -1, False, _STOCK_TEXT[cls]
             elif getattr(ins, "micro_batch_id", None) is not None:
-                mb, explicit, text = ins.micro_batch_id, True, format_instruction(ins)
+                mb, explicit = ins.micro_batch_id, True
+                text = f"{_TEXT_CODE[cls]}{mb}"
             else:
                 mb, explicit = ordinal[cls] - 1, False
-                text = format_instruction(cls(ins.buffer_id, micro_batch_id=mb))
+                text = f"{_TEXT_CODE[cls]}{mb}"
             ops.append(_Op(code, mb, explicit, text, t, i))
     return ops
 
