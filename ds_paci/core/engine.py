@@ -88,6 +88,7 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 from deepspeed.utils import logger
 
 from . import checkpoint, compat, window_state
+from . import deepspeed_internals as internals
 from .collective_guard import CrossStageCollectiveError, StageCollectiveGuard, check_reason
 from .config import check_accumulation_window, engine_config, parse_paci_section, validate_run
 from .feed import MicroBatchFeed
@@ -113,7 +114,7 @@ class PACIStreamError(RuntimeError):
 
 
 def _buffer_op(fn):
-    """A DeepSpeed ``_exec_*`` method that takes a buffer id, run for an action (its micro-batch's buffer)."""
+    """A DeepSpeed instruction (:mod:`ds_paci.core.deepspeed_internals`) on a buffer, run for an action."""
 
     def run(engine, action):
         return fn(engine, action.micro_batch % engine._stream.nbuf)
@@ -486,9 +487,9 @@ class PACIPipelineEngine(PipelineEngine):
         if self._lookahead is not None and cmd.crosses_step:
             # this micro-batch's backward comes after the next local step: forward on the predicted next weights
             with self._lookahead.applied(cmd.window_fill, self._stream.window):
-                PipelineEngine._exec_forward_pass(self, buffer_id)
+                internals.exec_forward_pass(self, buffer_id)
         else:
-            PipelineEngine._exec_forward_pass(self, buffer_id)
+            internals.exec_forward_pass(self, buffer_id)
 
     def _exec_paci_backward(self, cmd):
         if self.is_last_stage() and not self._stock_step:
@@ -496,7 +497,7 @@ class PACIPipelineEngine(PipelineEngine):
             factor = compat.last_stage_loss_factor(self.micro_batches, self._stream.window)
             if factor != 1.0:
                 self.loss = self.loss * factor
-        PipelineEngine._exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
+        internals.exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
 
     def _exec_local_accumulate(self, cmd):
         self.telemetry.accumulate(cmd.micro_batch % self._stream.nbuf, cmd.micro_batch)
@@ -549,15 +550,15 @@ class PACIPipelineEngine(PipelineEngine):
             return super().clip_fp32_gradients()
         clip_by_norm(self.module.parameters(), self.gradient_clipping(), self._paci_grad_norm)
 
-    # The one place actions meet DeepSpeed: each kind of action to the method that runs it.
+    # The one place actions meet DeepSpeed: each kind of action to what runs it (DeepSpeed's through the seam).
     _PACI_ACTIONS = {
-        Kind.LOAD: _buffer_op(PipelineEngine._exec_load_micro_batch),
+        Kind.LOAD: _buffer_op(internals.exec_load_micro_batch),
         Kind.FORWARD: _exec_paci_forward,
         Kind.BACKWARD: _exec_paci_backward,
-        Kind.SEND_ACT: _buffer_op(PipelineEngine._exec_send_activations),
-        Kind.RECV_ACT: _buffer_op(PipelineEngine._exec_recv_activations),
-        Kind.SEND_GRAD: _buffer_op(PipelineEngine._exec_send_grads),
-        Kind.RECV_GRAD: _buffer_op(PipelineEngine._exec_recv_grads),
+        Kind.SEND_ACT: _buffer_op(internals.exec_send_activations),
+        Kind.RECV_ACT: _buffer_op(internals.exec_recv_activations),
+        Kind.SEND_GRAD: _buffer_op(internals.exec_send_grads),
+        Kind.RECV_GRAD: _buffer_op(internals.exec_recv_grads),
         Kind.ACCUMULATE: _exec_local_accumulate,
         Kind.STEP: lambda engine, cmd: engine._local_step(cmd),
         Kind.TIED_POST: _exec_tied,
