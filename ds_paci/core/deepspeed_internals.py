@@ -23,23 +23,27 @@ PACI engine, where the stream interprets an instruction): ``_exec_load_micro_bat
 Methods the PACI engine *overrides* (DeepSpeed calls them from inside its own code, so their contract is a
 dependency too): :data:`OVERRIDDEN_ENGINE_METHODS`.
 
+``_get_ckpt_name`` (the model-states file name).
+
 **Engine fields**: ``_config._param_dict`` (the raw config dict), ``_config.gradient_clipping`` (read by
 ``gradient_clipping()``), ``_config.monitor_config``; ``_global_grad_norm`` (``get_global_grad_norm()``),
 ``_step_applied`` (``was_step_applied()``, set by ``_take_model_step``), ``_compute_loss`` (the forward
 computes the loss); the per-call loss fields ``total_loss``, ``total_additional_losses``, ``fwd_outputs``,
 ``agg_additional_losses``, ``agg_train_loss`` and the stage output ``loss``; ``pipe_buffers``, ``batch_fn``,
-``checkpoint_engine``; ``PipelineModule``'s ``_layer_specs``, ``tied_modules``, ``tied_weight_attrs``; a
+``checkpoint_engine``, ``pipeline_enable_backward_allreduce``, ``mpu``; ``PipelineModule``'s ``_layer_specs``, ``tied_modules``, ``tied_weight_attrs``; a
 parameter's ``ds_pipe_replicated`` flag; ``PipelineParallelGrid``'s ``_topo`` and ``pipe_groups``;
 ``DeepSpeedConfig._param_dict`` (the ``config_class`` DeepSpeed hands the engine).
 
 **Optimizer-wrapper fields**: ``BF16_Optimizer``'s ``bf16_groups``, ``bf16_partitioned_groups``,
 ``fp32_groups_flat_partition``, ``fp32_groups_gradients``, ``fp32_groups_gradients_flat``,
 ``fp32_groups_gradient_flat_partition``, ``fp32_groups_has_gradients``, ``real_dp_process_group``, ``mpu``,
-``clip_grad``, ``clear_lp_grads()``, ``clear_hp_grads()``, ``get_grads_for_norm()``; the ZeRO-1
+``norm_type``,
+``clip_grad``, ``clear_lp_grads()``, ``clear_hp_grads()``, ``get_grads_for_norm()``, ``update_lp_params()``; a
+wrapped parameter's ``_hp_mapping`` (``hp_fragment_address``, ``lp_fragment_address``, ``hp_fragment``); the ZeRO-1
 ``DeepSpeedZeroOptimizer``'s ``bit16_groups``, ``bit16_groups_flat``, ``single_partition_of_fp32_groups``,
 ``parallel_partitioned_bit16_groups``, ``round_robin_bit16_groups``, ``round_robin_bit16_meta``,
 ``round_robin_bit16_offsets``, ``real_dp_process_group``, ``averaged_gradients``, ``cpu_offload``,
-``model_parallel_group`` / ``_rank`` / ``_world_size``, ``clip_grad``, ``has_overflow()``,
+``model_parallel_group`` / ``_rank`` / ``_world_size``, ``clip_grad``, ``has_overflow()``, ``use_grad_accum_attribute``, ``partition_gradients``,
 ``get_gradient_for_reduction()``; both wrappers' ``overflow``.
 
 **Schedule internals**: ``PipelineEngine._INSTRUCTION_MAP`` (instruction class to ``_exec_*`` function, read
@@ -78,18 +82,20 @@ OVERRIDDEN_ENGINE_METHODS = (
 INTERNAL_FIELDS = (
     # PipelineEngine
     "pipe_buffers", "total_loss", "total_additional_losses", "fwd_outputs", "agg_additional_losses",
-    "agg_train_loss", "batch_fn", "checkpoint_engine",
+    "agg_train_loss", "batch_fn", "checkpoint_engine", "pipeline_enable_backward_allreduce",
     # PipelineModule, its parameters, PipelineParallelGrid
     "tied_modules", "tied_weight_attrs", "ds_pipe_replicated", "pipe_groups",
     # BF16_Optimizer
     "bf16_groups", "bf16_partitioned_groups", "fp32_groups_flat_partition", "fp32_groups_gradients",
     "fp32_groups_gradients_flat", "fp32_groups_gradient_flat_partition", "fp32_groups_has_gradients",
-    "clear_lp_grads", "clear_hp_grads", "get_grads_for_norm",
+    "clear_lp_grads", "clear_hp_grads", "get_grads_for_norm", "norm_type", "update_lp_params",
+    # a wrapped parameter's fp32 mapping (``_hp_mapping``, a tensor_fragment)
+    "hp_fragment_address", "lp_fragment_address", "hp_fragment",
     # DeepSpeedZeroOptimizer (ZeRO-1)
     "bit16_groups", "bit16_groups_flat", "single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups",
     "round_robin_bit16_groups", "round_robin_bit16_meta", "round_robin_bit16_offsets", "averaged_gradients",
     "cpu_offload", "model_parallel_group", "model_parallel_rank", "model_parallel_world_size", "has_overflow",
-    "get_gradient_for_reduction",
+    "get_gradient_for_reduction", "use_grad_accum_attribute", "partition_gradients",
     # both wrappers
     "real_dp_process_group", "mpu", "clip_grad", "overflow",
 )
@@ -265,6 +271,12 @@ def set_stage_loss(engine, value):
     engine.loss = value
 
 
+def zero_fills_missing_gradients(engine):
+    """``engine.pipeline_enable_backward_allreduce`` (default True): DeepSpeed's reduce gives each trainable
+    parameter without a gradient a zero one."""
+    return getattr(engine, "pipeline_enable_backward_allreduce", True)
+
+
 def batch_fn(engine):
     """``engine.batch_fn``: the module's batch hook ``_next_batch`` applies, or ``None``."""
     return engine.batch_fn
@@ -283,6 +295,16 @@ def checkpoint_engine(engine):
 def set_checkpoint_engine(engine, value):
     """Replace ``engine.checkpoint_engine`` (DeepSpeed's save and load read it at every call)."""
     engine.checkpoint_engine = value
+
+
+def engine_mpu(engine):
+    """``engine.mpu``: the model-parallel unit the engine was built with (``None`` for a plain pipeline grid)."""
+    return getattr(engine, "mpu", None)
+
+
+def model_states_file_namer(engine):
+    """``DeepSpeedEngine._get_ckpt_name(checkpoints_path, tag)`` (the model-states file of this rank), or ``None``."""
+    return getattr(engine, "_get_ckpt_name", None)
 
 
 def layer_specs(module):
@@ -401,9 +423,40 @@ def grads_for_norm(optimizer):
     return optimizer.get_grads_for_norm()[0]
 
 
+def norm_type(optimizer):
+    """``BF16_Optimizer.norm_type`` (2.0: the gradient norm's order)."""
+    return optimizer.norm_type
+
+
 def real_dp_process_group(optimizer, i):
     """A wrapper's ``real_dp_process_group[i]``: the data-parallel group param group ``i`` is partitioned over."""
     return optimizer.real_dp_process_group[i]
+
+
+def use_grad_accum_attribute(optimizer):
+    """ZeRO's ``use_grad_accum_attribute`` (gradients kept in a separate accumulation attribute); False if none."""
+    return bool(getattr(optimizer, "use_grad_accum_attribute", False))
+
+
+def update_lp_params(optimizer):
+    """``BF16_Optimizer.update_lp_params()``: the module's bf16 weights from the fp32 masters (and across DP)."""
+    optimizer.update_lp_params()
+
+
+def hp_fragment(param):
+    """Where a wrapped parameter's fp32 master lives (DeepSpeed's ``param._hp_mapping``): ``(hp_start, numel,
+    lp_start, fragment)`` (offset into the flat fp32 partition, length, offset into the parameter, the fp32 view),
+    or ``None`` for a parameter with no fragment in this rank's partition."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
+    return hp.start, hp.numel, lp.start, mapping.hp_fragment
+
+
+def zero_partitions_gradients(optimizer):
+    """ZeRO's ``partition_gradients`` (stage 2 or above); False where it has none."""
+    return bool(getattr(optimizer, "partition_gradients", False))
 
 
 def bit16_groups(optimizer):

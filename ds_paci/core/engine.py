@@ -88,7 +88,7 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 from deepspeed.utils import logger
 
 from . import checkpoint, compat, window_state
-from . import deepspeed_internals as internals
+from . import deepspeed_internals as ds
 from .collective_guard import CrossStageCollectiveError, StageCollectiveGuard, check_reason
 from .config import check_accumulation_window, engine_config, parse_paci_section, validate_run
 from .feed import MicroBatchFeed
@@ -131,15 +131,15 @@ class PACIPipelineEngine(PipelineEngine):
     def __init__(self, *args, **kwargs):
         self._validate_before_build(args, kwargs)
         super().__init__(*args, **kwargs)
-        self.paci = parse_paci_section(self._config._param_dict.get("paci"))
+        self.paci = parse_paci_section(ds.param_dict(self).get("paci"))
         if not hasattr(self, "_validated"):
-            validate_run(self._config._param_dict, self.module, self.paci)
+            validate_run(ds.param_dict(self), self.module, self.paci)
         check_accumulation_window(self.paci.accumulation_window, self.micro_batches)
         window = self._configured_window()
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
         self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
         self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches)
-        self._reserve_pipe_buffers(self._stream.nbuf)
+        ds.reserve_pipe_buffers(self, self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
         compat.adapt_engine(self, stock=self._stock_step)  # what differs between DeepSpeed versions
         self._clipping = clipping_policy(self, stock=self._stock_step)
@@ -157,7 +157,7 @@ class PACIPipelineEngine(PipelineEngine):
         self._skips = SkipCounter(self.paci.max_consecutive_skips)
         self._stop_request = None
         self._paci_grad_norm = None
-        self._step_applied = True  # False only once a step was actually skipped
+        ds.set_step_applied(self, True)  # False only once a step was actually skipped
         self._last_loss = None  # (loss tensor, origin call) most recently returned
         self._loss_fresh = False
         self._channel = LossChannel(*pipeline_groups(self.grid), self.stage_id)
@@ -172,7 +172,7 @@ class PACIPipelineEngine(PipelineEngine):
                                          self.paci.lookahead_restore)
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
-            self._loss_monitor = LastStageMonitor(self._config.monitor_config)
+            self._loss_monitor = LastStageMonitor(ds.monitor_config(self))
         if self.global_rank == self.grid.stage_to_global(self.num_stages - 1):
             # A warning where PACI departs from DeepSpeed's default (no "gradient_clipping" key, async mode).
             log = logger.warning if "DeepSpeed's default" in self._clipping else logger.info
@@ -283,7 +283,7 @@ class PACIPipelineEngine(PipelineEngine):
             if window is not None:  # before DeepSpeed's save, which ends with the barrier the commit relies on
                 folder = os.path.join(save_dir, staging_tag)
                 os.makedirs(folder, exist_ok=True)
-                self.checkpoint_engine.save(window, os.path.join(folder, window_state.file_name(self)))
+                ds.checkpoint_engine(self).save(window, os.path.join(folder, window_state.file_name(self)))
             return parent_save(save_dir, tag=staging_tag, client_state=state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -366,13 +366,13 @@ class PACIPipelineEngine(PipelineEngine):
     def was_step_applied(self):
         """False only if this stage's most recent local step was skipped (a non-finite gradient, or an overflow; on a
         tied owner also a skipped tied total, see :mod:`ds_paci.core.tied`)."""
-        return self._step_applied
+        return ds.step_applied(self)
 
     def get_global_grad_norm(self):
         """Async: this stage's own gradient norm at its last local step (after the data-parallel reduce; never
         across stages; without tied weights shared with other stages, whose total is clipped apart). Sync mode:
         DeepSpeed's value (``None`` for a plain fp32 optimizer, as in the stock engine)."""
-        return self._global_grad_norm
+        return ds.global_grad_norm(self)
 
     def paci_stats(self):
         """This stage's telemetry: version, local steps, drift, stream position, skips, drains, loss age."""
@@ -391,7 +391,7 @@ class PACIPipelineEngine(PipelineEngine):
                      collective_check=None if self._collective_guard is None else self._collective_guard.summary(),
                      consecutive_skips=self._skips.consecutive,
                      max_consecutive_skips=self._skips.limit,
-                     grad_norm=None if self._global_grad_norm is None else float(self._global_grad_norm),
+                     grad_norm=None if ds.global_grad_norm(self) is None else float(ds.global_grad_norm(self)),
                      loss_origin_call=origin,
                      loss_age=None if origin is None else self._loss_calls - origin,
                      tied=None if self._tied is None else self._tied.stats(),
@@ -475,10 +475,10 @@ class PACIPipelineEngine(PipelineEngine):
 
     def _next_batch(self):
         if not self._in_stream:
-            return super()._next_batch()
+            return ds.stock_next_batch(self)
         batch = self._feed.next()
-        if self.batch_fn:
-            batch = self.batch_fn(batch)
+        if ds.batch_fn(self):
+            batch = ds.batch_fn(self)(batch)
         return batch
 
     def _exec_paci_forward(self, cmd):
@@ -487,17 +487,17 @@ class PACIPipelineEngine(PipelineEngine):
         if self._lookahead is not None and cmd.crosses_step:
             # this micro-batch's backward comes after the next local step: forward on the predicted next weights
             with self._lookahead.applied(cmd.window_fill, self._stream.window):
-                internals.exec_forward_pass(self, buffer_id)
+                ds.exec_forward_pass(self, buffer_id)
         else:
-            internals.exec_forward_pass(self, buffer_id)
+            ds.exec_forward_pass(self, buffer_id)
 
     def _exec_paci_backward(self, cmd):
         if self.is_last_stage() and not self._stock_step:
             # PACI averages over the window of a micro-batches (DeepSpeed divides by M, or not: see compat).
             factor = compat.last_stage_loss_factor(self.micro_batches, self._stream.window)
             if factor != 1.0:
-                self.loss = self.loss * factor
-        internals.exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
+                ds.set_stage_loss(self, ds.stage_loss(self) * factor)
+        ds.exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
 
     def _exec_local_accumulate(self, cmd):
         self.telemetry.accumulate(cmd.micro_batch % self._stream.nbuf, cmd.micro_batch)
@@ -520,17 +520,17 @@ class PACIPipelineEngine(PipelineEngine):
             self._lookahead.before_step()
         if self._stock_step:  # DeepSpeed's order: tied all-reduce, then the DP reduce
             if self._tied is not None:
-                self._exec_reduce_tied_grads()
-            self._exec_reduce_grads()
+                ds.exec_reduce_tied_grads(self)
+            ds.exec_reduce_grads(self)
         elif self._tied is not None:
             self._tied.reduce_grads(version)  # DP reduce plus the tied-gradient exchange
         else:
-            self._exec_reduce_grads()  # DP group of this stage only
+            ds.exec_reduce_grads(self)  # DP group of this stage only
         if self._aliases is not None:
             self._aliases.bind_grads()
         if self._stock_step:
-            self._exec_optimizer_step()  # DeepSpeed's step exactly (sync mode)
-            applied = self._step_applied
+            ds.exec_optimizer_step(self)  # DeepSpeed's step exactly (sync mode)
+            applied = ds.step_applied(self)
         elif self._tied is not None and self._tied.exchanges:
             applied = self._tied.step()  # the stage's own gradient and the tied total, each with its verdict
         else:
@@ -552,13 +552,13 @@ class PACIPipelineEngine(PipelineEngine):
 
     # The one place actions meet DeepSpeed: each kind of action to what runs it (DeepSpeed's through the seam).
     _PACI_ACTIONS = {
-        Kind.LOAD: _buffer_op(internals.exec_load_micro_batch),
+        Kind.LOAD: _buffer_op(ds.exec_load_micro_batch),
         Kind.FORWARD: _exec_paci_forward,
         Kind.BACKWARD: _exec_paci_backward,
-        Kind.SEND_ACT: _buffer_op(internals.exec_send_activations),
-        Kind.RECV_ACT: _buffer_op(internals.exec_recv_activations),
-        Kind.SEND_GRAD: _buffer_op(internals.exec_send_grads),
-        Kind.RECV_GRAD: _buffer_op(internals.exec_recv_grads),
+        Kind.SEND_ACT: _buffer_op(ds.exec_send_activations),
+        Kind.RECV_ACT: _buffer_op(ds.exec_recv_activations),
+        Kind.SEND_GRAD: _buffer_op(ds.exec_send_grads),
+        Kind.RECV_GRAD: _buffer_op(ds.exec_recv_grads),
         Kind.ACCUMULATE: _exec_local_accumulate,
         Kind.STEP: lambda engine, cmd: engine._local_step(cmd),
         Kind.TIED_POST: _exec_tied,
@@ -567,10 +567,7 @@ class PACIPipelineEngine(PipelineEngine):
 
     # -- losses and logging -----------------------------------------------------------
     def _begin_losses(self):
-        self.total_loss = None
-        self.total_additional_losses = None
-        self.fwd_outputs = []
-        self._compute_loss = True
+        ds.reset_call_losses(self)
 
     def _finish_call(self):
         """End of a ``train_batch``/``drain`` call: the loss every rank returns, the side channel, the stop check."""
@@ -585,7 +582,7 @@ class PACIPipelineEngine(PipelineEngine):
                     self.telemetry.nonfinite_losses += 1
             if self._channel.active:
                 loss, origin = self._last_loss if self._last_loss is not None else (None, 0)
-                extras = list((self.agg_additional_losses or {}).values()) if self._loss_fresh else self._last_extras
+                extras = list((ds.additional_losses(self) or {}).values()) if self._loss_fresh else self._last_extras
                 self._last_extras = extras
                 self._channel.publish(loss, origin, extras)
         elif self._channel.active:
@@ -602,25 +599,25 @@ class PACIPipelineEngine(PipelineEngine):
                     and (self._last_loss is None or self._last_loss[1] != msg.origin_call)):
                 value = torch.tensor(msg.value, dtype=torch.float32, device=self.device)
                 self._last_loss = (value, msg.origin_call)
-                self.agg_additional_losses = self._named_additional(msg.extras)
+                ds.set_additional_losses(self, self._named_additional(msg.extras))
         self._check_stop()
         if self._last_loss is None:
             loss = torch.tensor(math.nan, dtype=torch.float32, device=self.device)
         else:
             loss = self._last_loss[0].clone()
-        self.agg_train_loss = loss
+        ds.set_train_loss(self, loss)
         return loss
 
     _last_extras = ()
 
     def _last_stage_loss(self):
         """Mean loss (and additional losses) of the micro-batches completed in this call, averaged over DP; or None."""
-        if not self.fwd_outputs or not torch.is_tensor(self.total_loss):
+        total_loss, total_additional, n = ds.call_losses(self)
+        if not n or not torch.is_tensor(total_loss):
             return None
-        n = len(self.fwd_outputs)
         with torch.no_grad():
-            loss = (self.total_loss / n).detach().clone()
-            extras = OrderedDict((k, (v / n).detach().clone()) for k, v in (self.total_additional_losses or {}).items()
+            loss = (total_loss / n).detach().clone()
+            extras = OrderedDict((k, (v / n).detach().clone()) for k, v in (total_additional or {}).items()
                                  if torch.is_tensor(v))
             if self.is_data_parallel and not extras:  # as DeepSpeed's _aggregate_total_loss reduces it
                 dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
@@ -634,7 +631,7 @@ class PACIPipelineEngine(PipelineEngine):
                 for k, v in extras.items():
                     extras[k] = flat[offset:offset + v.numel()].clone().reshape(v.shape)
                     offset += v.numel()
-        self.agg_additional_losses = extras or None
+        ds.set_additional_losses(self, extras or None)
         return loss
 
     def _named_additional(self, values):

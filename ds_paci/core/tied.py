@@ -103,6 +103,7 @@ import torch
 import torch.distributed as tdist
 
 
+from . import deepspeed_internals as ds
 from .program import Kind
 from .tied_optimizer import TiedOptimizer
 from .tied_timing import tied_lag
@@ -135,7 +136,7 @@ def tied_owner_stages(module):
     from deepspeed.runtime.pipe.module import TiedLayerSpec
     parts = module.parts
     stages_of = {}
-    for idx, spec in enumerate(module._layer_specs):
+    for idx, spec in enumerate(ds.layer_specs(module)):
         if isinstance(spec, TiedLayerSpec):
             stage = next(s for s in range(module.num_stages) if parts[s] <= idx < parts[s + 1])
             stages_of.setdefault(spec.key, set()).add(stage)
@@ -242,8 +243,8 @@ class TiedWeights:
         self.exchanges = []
         for ranks, (stages, keys) in mine.items():
             params = [
-                functools.reduce(getattr, attr.split("."), module.tied_modules[key]) for key in keys
-                for attr in module.tied_weight_attrs[key]
+                functools.reduce(getattr, attr.split("."), ds.tied_modules(module)[key]) for key in keys
+                for attr in ds.tied_weight_attrs(module)[key]
             ]
             self.exchanges.append(_Exchange(ranks, stages, groups[ranks], keys, params, rank))
         self.optimizer = TiedOptimizer(engine, [p for ex in self.exchanges for p in ex.params])
@@ -252,8 +253,8 @@ class TiedWeights:
             # that its global norm counts them once. Async norms are stage-local and see zeros for the tied
             # weights (TiedOptimizer.clear): a later owner must count its own non-tied parameters too.
             for p in module.parameters():
-                if getattr(p, "ds_pipe_replicated", False):
-                    p.ds_pipe_replicated = False
+                if ds.pipe_replicated(p):
+                    ds.set_pipe_replicated(p, False)
         self.mode = self.optimizer.mode
         self._totals = None  # {id(param): total or None}, from reduce_grads for step
         self._plan = {}  # the program's TPOST/TAPPLY facts for the next step (set by expect)
@@ -385,7 +386,7 @@ class TiedWeights:
         deferred = plan.get("in_drain", False)  # the last step of a drain, after every owner has posted
         final = plan.get("all", False)  # the step that applies every window not yet applied
         if self.mode != "zero" or not self.exchanges:
-            engine._exec_reduce_grads()
+            ds.exec_reduce_grads(engine)
         if not self.exchanges:
             return
         stage_finite = self.optimizer.stage_gradient_finite()
@@ -400,7 +401,7 @@ class TiedWeights:
                 offset += p.numel()
             self._reap_sends(ex, version, final, deferred)
         if self.mode == "zero":
-            engine._exec_reduce_grads()
+            ds.exec_reduce_grads(engine)
         self._last_lag = self.lag
 
     def step(self):
@@ -408,7 +409,7 @@ class TiedWeights:
         totals, self._totals = self._totals, None
         stage_applied, tied_applied = self.optimizer.step(totals)
         applied = stage_applied and tied_applied
-        self.engine._step_applied = applied
+        ds.set_step_applied(self.engine, applied)
         return applied
 
     def pending_windows(self):
