@@ -310,7 +310,7 @@ def validate_run(ds_config, model, paci):
     if reason:
         raise PACIConfigError(reason)
     if not paci.drain_every_batch:
-        from .tied import tied_arrangement_problem
+        from .tied_layout import tied_arrangement_problem
         tied = tied_arrangement_problem(ds_config, model)
         if tied:
             raise PACIConfigError(tied)

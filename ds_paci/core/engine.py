@@ -77,22 +77,20 @@ Contract (see also ``docs``/README):
   ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
 """
 
-import math
-import os
 import time
-from collections import OrderedDict
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
 from deepspeed.utils import logger
 
-from . import checkpoint, compat, window_state
+from . import compat
 from . import deepspeed_internals as ds
 from .collective_guard import CrossStageCollectiveError, StageCollectiveGuard, check_reason
 from .config import check_accumulation_window, engine_config, parse_paci_section, validate_run
+from .engine_checkpoints import EngineCheckpoints
+from .engine_losses import CallLosses
 from .feed import MicroBatchFeed
-from .guard import PACINonFiniteError, SkipCounter, assert_finite_weights, stop_message
+from .guard import PACINonFiniteError, SkipCounter
 from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_local, step_lr
 from .lookahead import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
@@ -101,7 +99,8 @@ from .passes import lower_call
 from .program import Kind, format_action
 from .schedule import PACIStream, drift_bound
 from .telemetry import StageTelemetry
-from .tied import TiedWeights, tied_owner_stages
+from .tied import TiedWeights
+from .tied_layout import tied_owner_stages
 from .watchdog import Watchdog
 
 
@@ -123,8 +122,11 @@ def _buffer_op(fn):
     return run
 
 
-class PACIPipelineEngine(PipelineEngine):
-    """DeepSpeed ``PipelineEngine`` that executes PACI streams (see the module docstring)."""
+class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
+    """DeepSpeed ``PipelineEngine`` that executes PACI streams (see the module docstring).
+
+    Two parts live in modules of their own: :class:`~ds_paci.core.engine_checkpoints.EngineCheckpoints` (save
+    and load) and :class:`~ds_paci.core.engine_losses.CallLosses` (the end of a call: losses, stop, progress)."""
 
     saves_atomically = True  # save_checkpoint/load_checkpoint go through ds_paci.core.checkpoint
 
@@ -260,75 +262,6 @@ class PACIPipelineEngine(PipelineEngine):
         once drained)."""
         self.drain(close_window=False)
         return super().eval_batch(data_iter, *args, **kwargs)
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """Drain (window left open), then atomically save an ordinary DeepSpeed checkpoint with the stream position
-        under ``client_state['ds_paci']`` (see :mod:`ds_paci.core.checkpoint`), and an open window's gradients in
-        one more file per rank (:mod:`ds_paci.core.window_state`). The default tag is ``global_step<N>``, ``N`` the
-        ``train_batch`` calls so far, as on the stock engine.
-
-        Refuses (on every rank, before writing anything) to save non-finite weights, and (on a rank whose
-        look-ahead could not restore the real weights) weights that are not the real ones.
-        """
-        if self._lookahead is not None:
-            self._lookahead.check_restored()
-        self.drain(close_window=False)
-        assert_finite_weights(self)
-        state = dict(client_state or {})
-        state["ds_paci"] = {"stream": self._stream.state_dict(), "telemetry": self.telemetry.summary()}
-        parent_save = super().save_checkpoint
-        window = window_state.capture(self) if window_state.needed(self) else None
-
-        def write(staging_tag, save_latest):
-            if window is not None:  # before DeepSpeed's save, which ends with the barrier the commit relies on
-                folder = os.path.join(save_dir, staging_tag)
-                os.makedirs(folder, exist_ok=True)
-                ds.checkpoint_engine(self).save(window, os.path.join(folder, window_state.file_name(self)))
-            return parent_save(save_dir, tag=staging_tag, client_state=state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
-
-        return checkpoint.atomic_save(self, save_dir, tag, save_latest, write)
-
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """Drain, verify the checkpoint is complete (:class:`~ds_paci.core.checkpoint.CheckpointError` otherwise),
-        load it, and resume the stream where the saved (drained) one stopped, with its open window if it had one
-        (:class:`~ds_paci.core.window_state.WindowStateError` when that cannot be restored on this layout)."""
-        self.drain(close_window=False)
-        tag = checkpoint.verified_tag(self, load_dir, tag) or tag
-        path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
-        self._clipping = clipping_policy(self, stock=self._stock_step)  # wrappers restore their saved clip value
-        if path is not None:
-            self._load_window(os.path.dirname(path), (client_state or {}).get("ds_paci"))
-        self._feed.clear()
-        if self._tied is not None and self._tied.check:
-            self._tied.verify("after loading a checkpoint")
-        return path, client_state
-
-    def _load_window(self, folder, saved):
-        """After DeepSpeed's load: the saved stream position and open window (or none), replacing the current one."""
-        window_state.discard(self)  # the drained engine's own open window does not continue
-        if saved is None:  # not a ds_paci checkpoint: the stream goes on from where it was, window closed
-            self._stream.window_fill = 0
-            return
-        saved_window = saved["stream"].get("window", self._stream.window)
-        if saved["stream"].get("window_fill") and saved_window != self._stream.window:
-            raise window_state.WindowStateError(
-                f"checkpoint {folder} was saved with an open accumulation window ({saved['stream']['window_fill']} of "
-                f"{saved_window} backward passes); this run's window is {self._stream.window}: resume with "
-                f"accumulation window {saved_window}, or save a checkpoint whose windows are closed (engine.drain() "
-                "right before save_checkpoint)")
-        self._stream.load_state_dict(saved["stream"])
-        if self._stream.micro_batches != self.micro_batches:  # resumed with another batch size: the rule's unit
-            self._stream.set_micro_batches(self.micro_batches)
-        self.telemetry.version = self._stream.version
-        state = window_state.read(self, folder)
-        if state is not None:
-            window_state.restore(self, state, f"checkpoint {folder}")
-        elif self._stream.window_fill:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {folder} was saved with an open accumulation window ({self._stream.window_fill} backward "
-                f"passes) but has no {window_state.file_name(self)} for {self._describe_rank()}; load a complete "
-                "checkpoint")
 
     def set_train_batch_size(self, train_batch_size):
         """Change the number of micro-batches: a no-op for the current size; otherwise drain once, then switch.
@@ -564,129 +497,3 @@ class PACIPipelineEngine(PipelineEngine):
         Kind.TIED_POST: _exec_tied,
         Kind.TIED_APPLY: _exec_tied,
     }
-
-    # -- losses and logging -----------------------------------------------------------
-    def _begin_losses(self):
-        ds.reset_call_losses(self)
-
-    def _finish_call(self):
-        """End of a ``train_batch``/``drain`` call: the loss every rank returns, the side channel, the stop check."""
-        self._loss_calls += 1
-        self._loss_fresh = False
-        if self.is_last_stage():
-            computed = self._last_stage_loss()
-            if computed is not None:
-                self._last_loss = (computed, self._loss_calls)
-                self._loss_fresh = True
-                if not math.isfinite(float(computed)):
-                    self.telemetry.nonfinite_losses += 1
-            if self._channel.active:
-                loss, origin = self._last_loss if self._last_loss is not None else (None, 0)
-                extras = list((ds.additional_losses(self) or {}).values()) if self._loss_fresh else self._last_extras
-                self._last_extras = extras
-                self._channel.publish(loss, origin, extras)
-        elif self._channel.active:
-            if self.paci.drain_every_batch:
-                self._watchdog.enter("the loss of the last stage (sync mode)", self._stream.ticks_emitted)
-                try:
-                    self._channel.wait_for(self._loss_calls)
-                finally:
-                    self._watchdog.idle()
-            else:
-                self._channel.poll()
-            msg = self._channel.latest
-            if (msg is not None and msg.origin_call > 0  # origin 0: the last stage had no value yet either
-                    and (self._last_loss is None or self._last_loss[1] != msg.origin_call)):
-                value = torch.tensor(msg.value, dtype=torch.float32, device=self.device)
-                self._last_loss = (value, msg.origin_call)
-                ds.set_additional_losses(self, self._named_additional(msg.extras))
-        self._check_stop()
-        if self._last_loss is None:
-            loss = torch.tensor(math.nan, dtype=torch.float32, device=self.device)
-        else:
-            loss = self._last_loss[0].clone()
-        ds.set_train_loss(self, loss)
-        return loss
-
-    _last_extras = ()
-
-    def _last_stage_loss(self):
-        """Mean loss (and additional losses) of the micro-batches completed in this call, averaged over DP; or None."""
-        total_loss, total_additional, n = ds.call_losses(self)
-        if not n or not torch.is_tensor(total_loss):
-            return None
-        with torch.no_grad():
-            loss = (total_loss / n).detach().clone()
-            extras = OrderedDict((k, (v / n).detach().clone()) for k, v in (total_additional or {}).items()
-                                 if torch.is_tensor(v))
-            if self.is_data_parallel and not extras:  # as DeepSpeed's _aggregate_total_loss reduces it
-                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
-                loss /= self.dp_world_size
-            elif self.is_data_parallel:  # one reduce for the loss and the additional losses, as DeepSpeed does
-                flat = torch.cat([loss.reshape(-1)] + [v.reshape(-1) for v in extras.values()])
-                dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
-                flat /= self.dp_world_size
-                loss = flat[:loss.numel()].clone().reshape(loss.shape)
-                offset = loss.numel()
-                for k, v in extras.items():
-                    extras[k] = flat[offset:offset + v.numel()].clone().reshape(v.shape)
-                    offset += v.numel()
-        ds.set_additional_losses(self, extras or None)
-        return loss
-
-    def _named_additional(self, values):
-        """Additional losses from the side channel, named as the module names them (as DeepSpeed's engine does)."""
-        names = self.module.get_additional_losses()
-        if not names or not values:
-            return None
-        return OrderedDict((name, torch.tensor(v, dtype=torch.float32, device=self.device))
-                           for name, v in zip(names.keys(), values))
-
-    def _check_stop(self):
-        """Raise :class:`PACINonFiniteError` if this stage, or another stage of its pipeline, stops the run."""
-        if self._stop_request is not None:
-            step, count, limit = self._stop_request
-            if self._channel.active:
-                self._channel.announce_stop(step, count, limit)
-            raise PACINonFiniteError(stop_message(self.stage_id, step, count, limit, self._describe_rank()))
-        notice = self._channel.stop_notice() if self._channel.active else None
-        if notice is not None:
-            raise PACINonFiniteError(self._stop_text(notice))
-
-    def _stop_text(self, notice):
-        return stop_message(notice.stage, notice.step, notice.count, notice.limit, self._describe_rank())
-
-    def _explain_wait(self, instruction):
-        """Watchdog: what a rank stuck in ``instruction`` is waiting for."""
-        notice = self._channel.sniff_stop() if self._channel.active else None
-        if notice is not None:
-            return "; " + self._stop_text(notice)
-        kind = getattr(instruction, "kind", None)
-        if kind in (Kind.SEND_ACT, Kind.RECV_GRAD):
-            return (f"; it is waiting for stage {self.stage_id + 1}, which is stuck, dead or running a different "
-                    "stream")
-        if kind in (Kind.SEND_GRAD, Kind.RECV_ACT):
-            return (f"; it is waiting for stage {self.stage_id - 1}, which is stuck, dead or running a different "
-                    "stream")
-        if kind in (Kind.STEP, Kind.TIED_POST, Kind.TIED_APPLY):
-            return ("; it is stuck in its own local step (optimizer, or the gradient reduce with its data-parallel "
-                    "replicas)")
-        if isinstance(instruction, str) and instruction.startswith("the loss"):
-            return f"; it is waiting for stage {self.num_stages - 1}, the last stage of its pipeline"
-        if isinstance(instruction, str):
-            return "; it is waiting for the peer named above"
-        return "; it is stuck in its own computation (forward, backward or data loading), not waiting for a peer"
-
-    def _report(self, loss):
-        if self._loss_monitor is not None and self._loss_fresh:
-            self._loss_monitor.write_events([("Train/Samples/train_loss", loss.item(), self.global_samples)])
-        every = self.steps_per_print()
-        if not every or self._calls % every:
-            return
-        if self.grid.data_parallel_id == 0:
-            logger.info(f"ds_paci: {self.telemetry.describe()}")
-        if self.is_last_stage() and self.grid.data_parallel_id == 0:
-            elapsed = self.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0
-            print(f"ds_paci: train_batch {self._calls} loss {loss.item():.4f} version {self.telemetry.version} "
-                  f"samples/sec {self.train_batch_size() * every / max(elapsed, 1e-9):.1f}",
-                  flush=True)

@@ -102,9 +102,10 @@ from collections import deque
 import torch
 import torch.distributed as tdist
 
-
 from . import deepspeed_internals as ds
 from .program import Kind
+from .tied_layout import tied_arrangement_problem, tied_owner_stages, zero_offload_device  # noqa: F401 (public)
+from .tied_transport import Exchange, Received, post_ordered, posting_order  # noqa: F401 (public)
 from .tied_optimizer import TiedOptimizer
 from .tied_timing import tied_lag
 
@@ -116,88 +117,6 @@ _VERIFY_TAG = 1 << 30  # tags of the copy check; window exchanges use the weight
 
 class TiedCopiesDiverged(RuntimeError):
     """The copies of a tied parameter differ between owning stages (raised by the copy check)."""
-
-
-class Received:
-    """A receive that has completed (waited for at a drain, or a pending window restored from a checkpoint)."""
-
-    def wait(self):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-def tied_owner_stages(module):
-    """``{key: sorted owner stages}`` for the ``TiedLayerSpec`` keys of ``module`` used on two or more stages.
-
-    Reads only the layer specs and the partition, so every rank computes the same answer.
-    """
-    from deepspeed.runtime.pipe.module import TiedLayerSpec
-    parts = module.parts
-    stages_of = {}
-    for idx, spec in enumerate(ds.layer_specs(module)):
-        if isinstance(spec, TiedLayerSpec):
-            stage = next(s for s in range(module.num_stages) if parts[s] <= idx < parts[s + 1])
-            stages_of.setdefault(spec.key, set()).add(stage)
-    return {key: sorted(st) for key, st in sorted(stages_of.items()) if len(st) > 1}
-
-
-def zero_offload_device(ds_config):
-    """The device ZeRO offloads its optimizer to under ``ds_config`` (``"cpu"``, ``"nvme"``), or ``None``."""
-    device = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
-    return None if device is None or str(device).lower() in ("none", "null") else str(device)
-
-
-def tied_arrangement_problem(ds_config, model):
-    """One line naming a tied arrangement PACI cannot keep identical, or ``None`` (same on every rank)."""
-    owners = tied_owner_stages(model)
-    if not owners:
-        return None
-    offload = zero_offload_device(ds_config)
-    if offload is not None:
-        return (f'"zero_optimization.offload_optimizer.device" = "{offload}" with tied layers {sorted(owners)} on '
-                f"stages {sorted({s for st in owners.values() for s in st})}: ZeRO's offloaded optimizer keeps the "
-                "gradients where PACI's tied exchange cannot reach them; remove the offload or untie the layers")
-    return None
-
-
-def posting_order(me, peers):
-    """``[(op, peer)]`` in the order rank ``me`` issues one window's transfers: peers by ascending rank, with
-    each the lower rank ``"send"`` first, the higher ``"recv"`` first (see the module docstring)."""
-    out = []
-    for r in sorted(peers):
-        out += [("send", r), ("recv", r)] if me < r else [("recv", r), ("send", r)]
-    return out
-
-
-def _post_ordered(me, peers, payload, buffers, group, tag):
-    """Issue the transfers of one message to every peer in :func:`posting_order`; ``{peer: (send, recv)}``."""
-    works = {}
-    for op, r in posting_order(me, peers):
-        send, recv = works.get(r, (None, None))
-        if op == "send":
-            send = tdist.isend(payload, dst=r, group=group, tag=tag)
-        else:
-            recv = tdist.irecv(buffers[r], src=r, group=group, tag=tag)
-        works[r] = (send, recv)
-    return works
-
-
-class _Exchange:
-    """The tied parameters this rank shares with one set of owner ranks, and the windows in flight."""
-
-    def __init__(self, ranks, stages, group, keys, params, me):
-        self.ranks = ranks  # global ranks of the owners, in stage order
-        self.stages = stages
-        self.group = group
-        self.keys = keys
-        self.params = params
-        self.peers = sorted(r for r in ranks if r != me)
-        self.numel = sum(p.numel() for p in params)
-        self.device = params[0].device
-        self.pending = {}  # version -> {"own": message, "recv": {rank: (work, message)}}
-        self.sends = {r: deque() for r in self.peers}  # (version, work, message), oldest first
 
 
 class TiedWeights:
@@ -246,7 +165,7 @@ class TiedWeights:
                 functools.reduce(getattr, attr.split("."), ds.tied_modules(module)[key]) for key in keys
                 for attr in ds.tied_weight_attrs(module)[key]
             ]
-            self.exchanges.append(_Exchange(ranks, stages, groups[ranks], keys, params, rank))
+            self.exchanges.append(Exchange(ranks, stages, groups[ranks], keys, params, rank))
         self.optimizer = TiedOptimizer(engine, [p for ex in self.exchanges for p in ex.params])
         if not engine._stock_step:
             # DeepSpeed marks the later owners' tied modules (all their parameters, tied or not) as replicated so
@@ -292,7 +211,7 @@ class TiedWeights:
 
     def _post(self, ex, version, message):
         buffers = {r: torch.empty_like(message) for r in ex.peers}
-        works = _post_ordered(self.engine.global_rank, ex.peers, message, buffers, ex.group, version)
+        works = post_ordered(self.engine.global_rank, ex.peers, message, buffers, ex.group, version)
         for r, (send, recv) in works.items():
             ex.sends[r].append((version, send, message))
         self.max_pending_sends = max([self.max_pending_sends] + [len(q) for q in ex.sends.values()])
@@ -486,7 +405,7 @@ class TiedWeights:
             state = _digest({k: v for k, v in snap.items() if k.startswith(prefix) and not k.endswith(".weight")})
             mine = torch.tensor(weights + state, dtype=torch.int64, device=ex.device)
             theirs = {r: torch.empty_like(mine) for r in ex.peers}
-            works = _post_ordered(me, ex.peers, mine, theirs, ex.group, _VERIFY_TAG)
+            works = post_ordered(me, ex.peers, mine, theirs, ex.group, _VERIFY_TAG)
             self.engine._watchdog.note(f"comparing the tied copies {ex.keys} with ranks {list(ex.ranks)}")
             for send, recv in works.values():
                 recv.wait()
