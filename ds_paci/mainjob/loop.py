@@ -12,6 +12,8 @@ import resource
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 from .metrics import TrainingMetrics, drift_text, progress_line
 from .summary import summary_lines, summary_record
 
@@ -79,7 +81,6 @@ class TrainingLoop:
 
     def gather_stats(self, step):
         """Every rank's stats (a collective: legal here, the pipeline is drained), kept with ``step``."""
-        import torch
         local = {"stage": self.engine.stage_id, "dp": self.engine.grid.data_parallel_id,
                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
         if self.shape.is_paci:
@@ -189,7 +190,6 @@ class TrainingLoop:
         return 0
 
     def _end(self):
-        import torch
         self.reporter.close()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
