@@ -3,9 +3,11 @@
 The config goes through core's own checks (``ds_paci.core.config``: the ``"paci"`` section, the batch keys,
 ZeRO's stage, fp16, the accumulation window; ``ds_paci.core.compat``: what the installed DeepSpeed refuses
 under PACI), so a bad key gets the same line here as from ``ds_paci.initialize``, only before any process
-starts. What only the job knows (its flags, the batch keys it needs, the data-parallel size, the tied LM head
-with ZeRO's offload) is checked here, each with one line that names the flag or key and the fix. Every check
-raises :class:`~.options.UsageError`.
+starts. ``validate_run`` itself needs the built ``PipelineModule`` (so a process group): the job calls its
+config-only checks, and ``ds_paci.initialize`` runs ``validate_run`` again on the model. What only the job
+knows (its flags, the batch keys it needs, the data-parallel size, the tied LM head with ZeRO's offload) is
+checked here, each with one line that names the flag or key and the fix. Every check raises
+:class:`~.options.UsageError`.
 """
 
 import os
