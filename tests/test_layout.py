@@ -13,10 +13,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ds_paci"
 
 # part -> parts it must never import (``ds_paci`` alone is the public facade over core)
 FORBIDDEN = {
-    "core": {"tools", "workload", "integrations", "facade"},
-    "workload": {"core", "tools", "integrations", "facade"},
-    "tools": {"integrations"},
-    "integrations": {"tools"},
+    "core": {"tools", "workload", "integrations", "facade", "mainjob"},
+    "workload": {"core", "tools", "integrations", "facade", "mainjob"},
+    "tools": {"integrations", "mainjob"},
+    "integrations": {"tools", "mainjob"},
+    "mainjob": {"tools", "integrations"},  # the example job: a user of the engine and the workload, used by none
 }
 
 
@@ -76,6 +77,7 @@ def test_the_graph_is_read_correctly(graph):
     assert "ds_paci.tools.records" in graph["ds_paci.tools.simulate"]
     assert "ds_paci.workload.emulate" in graph["ds_paci.workload.gpt2"]
     assert "ds_paci.tools.bench.config" in graph["ds_paci.tools.bench.runner"]
+    assert "ds_paci.mainjob.loop" in graph["ds_paci.mainjob.job"]
 
 
 def test_no_import_circle(graph):
