@@ -37,13 +37,14 @@ parameter's ``ds_pipe_replicated`` flag; ``PipelineParallelGrid``'s ``_topo`` an
 **Optimizer-wrapper fields**: ``BF16_Optimizer``'s ``bf16_groups``, ``bf16_partitioned_groups``,
 ``fp32_groups_flat_partition``, ``fp32_groups_gradients``, ``fp32_groups_gradients_flat``,
 ``fp32_groups_gradient_flat_partition``, ``fp32_groups_has_gradients``, ``real_dp_process_group``, ``mpu``,
-``norm_type``,
-``clip_grad``, ``clear_lp_grads()``, ``clear_hp_grads()``, ``get_grads_for_norm()``, ``update_lp_params()``; a
+``norm_type``, ``clip_grad``, ``clear_lp_grads()``, ``clear_hp_grads()``, ``get_grads_for_norm()``,
+``update_lp_params()``; a
 wrapped parameter's ``_hp_mapping`` (``hp_fragment_address``, ``lp_fragment_address``, ``hp_fragment``); the ZeRO-1
 ``DeepSpeedZeroOptimizer``'s ``bit16_groups``, ``bit16_groups_flat``, ``single_partition_of_fp32_groups``,
 ``parallel_partitioned_bit16_groups``, ``round_robin_bit16_groups``, ``round_robin_bit16_meta``,
 ``round_robin_bit16_offsets``, ``real_dp_process_group``, ``averaged_gradients``, ``cpu_offload``,
-``model_parallel_group`` / ``_rank`` / ``_world_size``, ``clip_grad``, ``has_overflow()``, ``use_grad_accum_attribute``, ``partition_gradients``,
+``model_parallel_group``, ``model_parallel_rank``, ``model_parallel_world_size``, ``clip_grad``,
+``has_overflow()``, ``use_grad_accum_attribute``, ``partition_gradients``,
 ``get_gradient_for_reduction()``; both wrappers' ``overflow``.
 
 **Schedule internals**: ``PipelineEngine._INSTRUCTION_MAP`` (instruction class to ``_exec_*`` function, read
