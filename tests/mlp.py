@@ -79,7 +79,8 @@ def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, 
     """
     from deepspeed.runtime.pipe import schedule as ds
 
-    from ds_paci.core.schedule import LocalStep, PACIStream
+    from ds_paci.core.program import Kind
+    from ds_paci.core.schedule import PACIStream
     per_stage = layers // P
     gen = regression_batches(micro_batch_size)
     batches, saved, acts, grads, losses = {}, {}, {}, {}, []
@@ -93,12 +94,12 @@ def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, 
     for t in range(max(map(len, schedule))):
         for s in range(P):
             for ins in schedule[s][t] if t < len(schedule[s]) else []:
-                m = getattr(ins, "micro_batch_id", None)
+                m = ins.micro_batch
                 mine = range(s * per_stage, (s + 1) * per_stage)
-                if isinstance(ins, ds.LoadMicroBatch) and s == 0:
+                if ins.kind is Kind.LOAD and s == 0:
                     x, y = next(gen)
                     batches[m] = (x.double(), y.double())
-                elif isinstance(ins, ds.ForwardPass):
+                elif ins.kind is Kind.FORWARD:
                     h = batches[m][0] if s == 0 else acts[(s - 1, m)]
                     layer_io = []
                     for i in mine:
@@ -110,7 +111,7 @@ def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, 
                     acts[(s, m)] = h
                     if s == P - 1:
                         losses.append(((h - batches[m][1])**2).mean().item())
-                elif isinstance(ins, ds.BackwardPass):
+                elif ins.kind is Kind.BACKWARD:
                     if s == P - 1:
                         out, target = acts[(s, m)], batches[m][1]
                         g = 2 * (out - target) / out.numel() / window
@@ -122,6 +123,6 @@ def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, 
                         gW[i][1] += gz.sum(0)
                         g = gz @ (w_fwd if stale else W[i][0])
                     grads[(s, m)] = g
-                elif isinstance(ins, LocalStep):
+                elif ins.kind is Kind.STEP:
                     on_step(s, ins, mine)
     return losses

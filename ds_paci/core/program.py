@@ -131,9 +131,11 @@ class Action:
 _TOKEN = re.compile(r"^(REDUCE_GRADS|REDUCE_TIED|TPOST|TAPPLY|STEP|ACC|SA|RA|SG|RG|L|F|B)([0-9+]*)(?:\[([^\]]*)\])?$")
 
 
-def format_action(action):
-    """Compact text of one action, e.g. ``F3[0,-]``, ``STEP2[lr2]``, ``TAPPLY1+2[L1,all]``."""
-    kind = action.kind
+def format_action(action, facts=True):
+    """Compact text of one action, e.g. ``F3[0,-]``, ``STEP2[lr2]``, ``TAPPLY1+2[L1,all]``.
+
+    ``facts=False``: the code and number only (``F3``, ``STEP2``): the name traces and messages use."""
+    kind, with_facts = action.kind, facts
     facts = []
     if kind in (Kind.REDUCE_GRADS, Kind.REDUCE_TIED):
         number = ""
@@ -143,6 +145,8 @@ def format_action(action):
         number = str(action.version)
     else:
         number = str(action.micro_batch)
+    if not with_facts:
+        return f"{kind.value}{number}"
     if action.window_fill is not None:
         facts += [str(action.window_fill), "x" if action.crosses_step else "-"]
     if kind is Kind.STEP:

@@ -56,7 +56,6 @@ import math
 
 from .program import Kind
 from .program_run import Handler, run_program
-from .stream_actions import stage_actions
 
 __all__ = ["tied_lag", "tied_wait_violations", "minimal_tied_lag"]
 
@@ -118,12 +117,12 @@ def _execute(segments):
     for s, stage_segments in enumerate(segments):
         ticks, of, last = [], [], {}
         for g, seg in enumerate(stage_segments):
-            for tick in stage_actions(s, seg):  # until house lands: streams of instruction objects
+            for tick in seg:
                 for action in tick:
                     if action.kind is Kind.BACKWARD:
                         last[g] = len(of)
                     of.append(g)
-                ticks.append(tick)
+                ticks.append(list(tick))
         program.append(ticks)
         segment_of.append(of)
         last_backward.append(last)
@@ -160,7 +159,7 @@ def tied_wait_violations(segments, owner_stages, lag, last_segment_drained=True,
     :meth:`PACIStream.advance` and :meth:`PACIStream.drain` return them). For every owner and
     every step ``k`` of a segment with ``k - lag >= 1`` (except the last step of a drained
     segment, which runs after the drain) each peer's step ``k - lag`` must happen before it.
-    ``carried``: windows are numbered over the whole stream (``LocalStep.version``; the exchange
+    ``carried``: windows are numbered over the whole stream (the ``STEP``'s version; the exchange
     carries pending windows across drains), and only a drained segment's last step that no backward
     pass follows is exempt (see the module docstring).
     """

@@ -34,7 +34,7 @@ COMPUTE_KINDS = ("forward", "backward", "step", "load")
 def instr_text(action):
     """The record text of an :class:`~ds_paci.core.program.Action`: its text form without the bracketed facts
     (``F3[0,x]`` -> ``F3``, ``STEP2[lr2]`` -> ``STEP2``), as engines write it."""
-    return format_action(action).split("[", 1)[0]
+    return format_action(action, facts=False)
 
 
 def _kind_code(instr):

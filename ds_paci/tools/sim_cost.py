@@ -15,7 +15,7 @@ class CostModel:
     ``forward`` and ``backward`` are a scalar or one value per stage; ``backward``
     defaults to twice ``forward``. ``overhead`` is added to every forward (per
     micro-batch cost), ``latency`` to every point-to-point transfer (on both sides),
-    ``step`` to every ``LocalStep``/``OptimizerStep``, ``load`` to every
+    ``step`` to every ``STEP`` (PACI's local step, DeepSpeed's ``OptimizerStep``), ``load`` to every
     ``LoadMicroBatch``. ``links`` (a :class:`ds_paci.tools.links.LinkModel`) adds to
     every transfer its link's latency plus bytes over bandwidth, and to every step the
     stage's data-parallel all-reduce (all of it, or what the overlap leaves).
@@ -34,7 +34,7 @@ class CostModel:
         return self.latency + (self.links.transfer_time(a, b) if self.links is not None else 0.0)
 
     def step_time(self, stage):
-        """A ``LocalStep``/``OptimizerStep`` on ``stage`` (its window's last backward may hide the all-reduce)."""
+        """A ``STEP`` on ``stage`` (its window's last backward may hide the all-reduce)."""
         if self.links is None:
             return self.step
         return self.step + self.links.step_delay(self.backward_time(stage))

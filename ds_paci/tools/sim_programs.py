@@ -4,7 +4,6 @@ published bubble formulas and the comparison rows :mod:`ds_paci.tools.simulate` 
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
 from ds_paci.core.schedule import PACIStream
-from ds_paci.core.stream_actions import program_actions
 
 from .sim_cost import CostModel
 from .sim_tied import add_tied_exchange
@@ -41,7 +40,7 @@ def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None):
         for s, stream in enumerate(streams):
             programs[s].extend(stream.drain())
     if tied is not None:
-        return add_tied_exchange(program_actions(programs), tied)
+        return add_tied_exchange(programs, tied)
     return programs
 
 

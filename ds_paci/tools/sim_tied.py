@@ -1,23 +1,22 @@
-"""The tied-weight exchange as explicit program actions, for the simulator.
+"""The tied-weight exchange for the simulator: which stages own tied weights, and the lowering that places it.
 
-:class:`TiedExchange` names the owners and the lag; :func:`add_tied_exchange` is the lowering pass that places
-the exchange on a program (until house lands: the lead's ``add_tied_exchange`` pass in
-:mod:`ds_paci.core.schedule` will place the same actions on the engine's programs, and this one goes). What it
-places, per owner stage and its ``k``-th local step (windows are numbered by step, from 1):
+:class:`TiedExchange` names the owners and the lag; :func:`add_tied_exchange` lowers a program with the
+engine's own passes (:mod:`ds_paci.core.passes`), so the simulator times the program the engine runs. On each
+owner stage:
 
-* before the step ``TPOST k``: the owner posts its window ``k`` at the start of the step;
-* then, where ``k - lag >= 1``, ``TAPPLY k-lag``: the step waits for every other owner's post of ``k - lag``;
-* ``drained``: the program's last step of every owner runs after the drain's last tick, as in the engine: it
-  moves, with its post, to the end of the stage's last non-empty tick (or stays in its own tick, if later), and its apply becomes the closing
-  ``TAPPLY k-lag..k[all]`` (every pending window; :mod:`ds_paci.core.program_run` makes it wait for every
-  other owner's last post).
+* ``drained`` (the program ends with a drain that closes the window): the last ``STEP`` moves into a tick
+  after the drain (:func:`~ds_paci.core.passes.defer_tied_last_step`), where the engine runs it;
+* before every ``STEP v``: ``TPOST v`` (the owner posts its window ``v`` at the start of the step) and, where
+  windows are due, ``TAPPLY`` (``v - lag``; every pending window at the deferred last step, ``apply_all``)
+  (:func:`~ds_paci.core.passes.add_tied_exchange`).
 
-The waiting itself is the interpreter's (:mod:`ds_paci.core.program_run`); the simulator only times it.
+The waiting itself is the interpreter's (:mod:`ds_paci.core.program_run`: an apply waits for every other
+owner's posts of its windows); the simulator only times it.
 """
 
 from dataclasses import dataclass
 
-from ds_paci.core.program import Action, Kind
+from ds_paci.core import passes
 
 __all__ = ["TiedExchange", "add_tied_exchange"]
 
@@ -35,36 +34,15 @@ class TiedExchange:
     drained: bool = True
 
 
-def _owner_ticks(stage, ticks, lag, drained):
-    steps = sum(a.kind is Kind.STEP for tick in ticks for a in tick)
-    out, k, closing, closing_tick = [], 0, None, 0
-    for t, tick in enumerate(ticks):
-        row = []
-        for action in tick:
-            if action.kind is not Kind.STEP:
-                row.append(action)
-                continue
-            k += 1
-            post = Action(stage, Kind.TIED_POST, version=k, lag=lag)
-            if drained and k == steps:
-                apply = Action(stage, Kind.TIED_APPLY, windows=tuple(range(max(1, k - lag), k + 1)), lag=lag,
-                               apply_all=True)
-                closing, closing_tick = [post, apply, action.with_(in_drain=True)], t
-                continue
-            row.append(post)
-            if k - lag >= 1:
-                row.append(Action(stage, Kind.TIED_APPLY, windows=(k - lag,), lag=lag))
-            row.append(action)
-        out.append(row)
-    if closing:
-        # the end of the last tick with an action, or the step's own tick if that comes later
-        last = max([closing_tick] + [t for t, row in enumerate(out) if row])
-        out[last].extend(closing)
-    return out
-
-
 def add_tied_exchange(program, tied):
-    """``program`` (Actions) with ``tied``'s exchange placed on its owners (see the module docstring)."""
+    """``program`` (one segment of Actions per stage) with ``tied``'s exchange placed on its owners."""
     owners = set(tied.owners)
-    return [_owner_ticks(s, ticks, tied.lag, tied.drained) if s in owners else [list(t) for t in ticks]
-            for s, ticks in enumerate(program)]
+    out = []
+    for s, ticks in enumerate(program):
+        ticks = [list(t) for t in ticks]
+        if s in owners:
+            if tied.drained:
+                ticks = passes.defer_tied_last_step(ticks, carry=False)
+            ticks = passes.add_tied_exchange(ticks, [], tied.lag, carry=False)
+        out.append(ticks)
+    return out

@@ -28,9 +28,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional
 
-from ds_paci.core.program import Kind
+from ds_paci.core.program import Action, Kind, from_deepspeed
 from ds_paci.core.program_run import Handler, run_program
-from ds_paci.core.stream_actions import program_actions
 
 from .records import COMPUTE_KINDS, instr_text
 from .sim_cost import CostModel
@@ -242,9 +241,8 @@ class _Timing(Handler):
 def simulate(programs, cost=None, *, drain_tick=None, tied=None):
     """Simulate ``programs`` (``programs[s]`` = stage ``s``'s list of ticks) under ``cost``.
 
-    ``programs`` hold :class:`~ds_paci.core.program.Action` ticks; DeepSpeed's own ``TrainSchedule`` ticks are
-    converted with :func:`~ds_paci.core.program.from_deepspeed` (and, until house lands, PACI's DeepSpeed-style
-    instruction ticks by :mod:`ds_paci.core.stream_actions`).
+    ``programs`` hold :class:`~ds_paci.core.program.Action` ticks; a stage of DeepSpeed instructions (its own
+    ``TrainSchedule``) is converted with :func:`~ds_paci.core.program.from_deepspeed`.
 
     Never hangs: a deadlock is returned in :attr:`SimResult.deadlock` (call
     :meth:`SimResult.raise_for_errors` to turn it into :class:`DeadlockError`).
@@ -261,7 +259,8 @@ def simulate(programs, cost=None, *, drain_tick=None, tied=None):
     docstring); a program that already carries ``TPOST``/``TAPPLY`` actions is timed with them as it is.
     """
     cost = cost or CostModel()
-    program = program_actions(programs)
+    program = [ticks if all(isinstance(a, Action) for tick in ticks for a in tick) else from_deepspeed(s, ticks)
+               for s, ticks in enumerate(programs)]
     if tied is not None:
         program = add_tied_exchange(program, tied)
     has_tied = tied is not None or any(a.kind is Kind.TIED_APPLY for ticks in program for t in ticks for a in t)
