@@ -97,7 +97,8 @@ def test_simulated_tied_waits_cost_nothing_at_lag_l_and_stall_or_deadlock_below(
         # one window less: the last stage waits for stage 0 (here: deadlocks against the pipeline, or stalls)
         below = simulate(programs, CostModel(forward=[3.0] + [1.0] * (P - 1)), tied=TiedExchange((0, P - 1), L - 1))
         if L == 1:
-            assert below.deadlock and any(st.stage == P - 1 and st.text.startswith("STEP") and st.partner == 0
+            # the program now carries the wait as an explicit apply (TAPPLY) right before the step
+            assert below.deadlock and any(st.stage == P - 1 and st.text.startswith("TAPPLY") and st.partner == 0
                                           for st in below.deadlock.stuck), below.deadlock
         else:
             assert below.ok and below.tied_wait[P - 1] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from ds_paci.core.program import Kind
 
 
 def _storage_of(tensor):
@@ -192,16 +193,16 @@ class StockInstructionTracer:
     micro-batch order; the optimizer step prints as ``STEP<n>`` (n = steps so far).
     """
 
-    _CODES = {
-        "LoadMicroBatch": "L",
-        "ForwardPass": "F",
-        "BackwardPass": "B",
-        "SendActivation": "SA",
-        "RecvActivation": "RA",
-        "SendGrad": "SG",
-        "RecvGrad": "RG",
+    _CODES = {  # DeepSpeed's instruction type -> the program vocabulary's text code
+        "LoadMicroBatch": Kind.LOAD.value,
+        "ForwardPass": Kind.FORWARD.value,
+        "BackwardPass": Kind.BACKWARD.value,
+        "SendActivation": Kind.SEND_ACT.value,
+        "RecvActivation": Kind.RECV_ACT.value,
+        "SendGrad": Kind.SEND_GRAD.value,
+        "RecvGrad": Kind.RECV_GRAD.value,
     }
-    _NAMES = {"ReduceGrads": "REDUCE_GRADS", "ReduceTiedGrads": "REDUCE_TIED"}
+    _NAMES = {"ReduceGrads": Kind.REDUCE_GRADS.value, "ReduceTiedGrads": Kind.REDUCE_TIED.value}
 
     def __init__(self, rank: int, stage: int):
         self.rank, self.stage = rank, stage
@@ -235,5 +236,5 @@ class StockInstructionTracer:
         if type_name in self._CODES:
             return f"{self._CODES[type_name]}{n}"
         if type_name == "OptimizerStep":
-            return f"STEP{n + 1}"
+            return f"{Kind.STEP.value}{n + 1}"
         return self._NAMES.get(type_name, type_name.upper())
