@@ -75,7 +75,7 @@ def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, 
     output. A backward adds the weight gradients from those saved activations into ``gW`` and
     passes the input gradient through the weights current *at backward time* (``stale=True``: the
     weights of the forward, as a weight-stashing scheme would). The last stage's loss is scaled by
-    ``1/window``. Each ``LocalStep`` calls ``on_step(stage, instruction, layers_of_stage)``.
+    ``1/window``. Each ``STEP`` action calls ``on_step(stage, instruction, layers_of_stage)``.
     """
     from deepspeed.runtime.pipe import schedule as ds
 

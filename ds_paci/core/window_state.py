@@ -127,7 +127,7 @@ def restore(engine, state, where):
 def _tied_pending(tied):
     """A drained owner's pending tied windows (own and received parts, by owner stage), as CPU tensors.
 
-    After a drain every receive has completed (:meth:`TiedWeights.end_drain` waits for them).
+    After a drain every receive has completed (:meth:`TiedWeights.finish_drain` waits for them).
     """
     out = []
     for ex in tied.exchanges:
