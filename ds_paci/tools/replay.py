@@ -56,6 +56,7 @@ from ds_paci.core.config import PACIConfig, auto_window
 from ds_paci.core.local_step import ParamAliases
 from ds_paci.core.lookahead import lookahead_for_torch_optimizer
 from ds_paci.core.program import Kind
+from ds_paci.core.program_run import Handler, run_program
 from ds_paci.core.schedule import PACIStream
 from ds_paci.workload.gpt2 import Block, gpt2_config, gpt2_reference_model, lm_loss
 
@@ -246,6 +247,16 @@ def _scheduler_factory(schedule, steps, warmup, cos_min_ratio):
     return lambda opt: WarmupCosineLR(opt, total_num_steps=steps, warmup_num_steps=warm, cos_min_ratio=cos_min_ratio)
 
 
+class _Math(Handler):
+    """The replay's handler of :func:`~ds_paci.core.program_run.run_program`: every local action does its math."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+
+    def run(self, stage, action, now):
+        self.pipeline.run_action(stage, action)
+
+
 class _Pipeline:
     """Every stage in one process; :meth:`execute` runs ticks in the order the engine's processes would."""
 
@@ -285,24 +296,30 @@ class _Pipeline:
         if s > 0:
             self.grads[(s, m)] = self.inputs.pop((s, m)).grad
 
+    def run_action(self, s, action):
+        """The math of one action of stage ``s`` (transfers carry nothing here: outputs and gradients are shared)."""
+        stage, kind, m = self.stages[s], action.kind, action.micro_batch
+        if kind is Kind.LOAD and s == 0:
+            x, y = next(self.train_iter)
+            self.batches[m] = (x, y) if self.device is None else (x.to(self.device), y.to(self.device))
+        elif kind is Kind.FORWARD:
+            if self.mode == "lookahead" and action.crosses_step and stage.predicts:
+                with stage.predicted(action.window_fill):
+                    self.outputs[(s, m)] = self._forward(s, m)
+            else:
+                self.outputs[(s, m)] = self._forward(s, m)
+        elif kind is Kind.BACKWARD:
+            self._backward(s, m)
+        elif kind is Kind.STEP:
+            stage.local_step(action.lr_steps)
+
     def execute(self, ticks):
-        for t in range(max(len(x) for x in ticks)):
-            for s, stage in enumerate(self.stages):
-                for cmd in ticks[s][t] if t < len(ticks[s]) else []:
-                    m = cmd.micro_batch
-                    if cmd.kind is Kind.LOAD and s == 0:
-                        x, y = next(self.train_iter)
-                        self.batches[m] = (x, y) if self.device is None else (x.to(self.device), y.to(self.device))
-                    elif cmd.kind is Kind.FORWARD:
-                        if self.mode == "lookahead" and cmd.crosses_step and stage.predicts:
-                            with stage.predicted(cmd.window_fill):
-                                self.outputs[(s, m)] = self._forward(s, m)
-                        else:
-                            self.outputs[(s, m)] = self._forward(s, m)
-                    elif cmd.kind is Kind.BACKWARD:
-                        self._backward(s, m)
-                    elif cmd.kind is Kind.STEP:
-                        stage.local_step(cmd.lr_steps)
+        """Run every stage's ``ticks`` on :func:`~ds_paci.core.program_run.run_program`, the engine's semantics:
+        a stage's forward runs after its activation arrived, a backward after its gradient did."""
+        run = run_program(ticks, _Math(self))
+        if not run.ok:
+            raise RuntimeError("the replayed streams do not run: " +
+                               "; ".join([str(x) for x in run.stuck] + run.mismatches))
 
     def call_loss(self):
         """The loss the engine's last stage returns for the call just run (``None``: no forward completed)."""

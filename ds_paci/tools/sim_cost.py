@@ -1,4 +1,5 @@
-"""The simulator's cost model: what each action of a stage costs, in arbitrary time units (:func:`ds_paci.tools.simulate.simulate`)."""
+"""The simulator's cost model: what each action of a stage costs, in arbitrary time units
+(:func:`ds_paci.tools.simulate.simulate`)."""
 
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
