@@ -91,13 +91,14 @@ from .engine_checkpoints import EngineCheckpoints
 from .engine_losses import CallLosses
 from .feed import MicroBatchFeed
 from .guard import PACINonFiniteError, SkipCounter
-from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_local, step_lr
+from .local_step import clipping_policy, guarded_step, make_stage_local, step_lr
 from .lookahead import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
 from .passes import lower_call
 from .program import Kind, format_action
 from .schedule import PACIStream, drift_bound
+from .stage_context import StageContext
 from .telemetry import StageTelemetry
 from .tied import TiedWeights
 from .tied_layout import tied_owner_stages
@@ -158,19 +159,23 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         self._drains = 0
         self._skips = SkipCounter(self.paci.max_consecutive_skips)
         self._stop_request = None
-        self._paci_grad_norm = None
         ds.set_step_applied(self, True)  # False only once a step was actually skipped
         self._last_loss = None  # (loss tensor, origin call) most recently returned
         self._loss_fresh = False
         self._channel = LossChannel(*pipeline_groups(self.grid), self.stage_id)
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
                                   explain=self._explain_wait)
-        self._tied = TiedWeights.create(self)  # tied layers on several stages (every rank: it creates groups)
+        # what the tied exchange and the look-ahead may use of this engine (they never see the engine itself)
+        self._ctx = StageContext(self, paci=self.paci, stock_step=self._stock_step, watchdog=self._watchdog,
+                                 aliases=self._aliases, describe_rank=self._describe_rank,
+                                 ticks_emitted=lambda: self._stream.ticks_emitted,
+                                 window=lambda: self._stream.window)
+        self._tied = self._ctx.tied = TiedWeights.create(self._ctx)  # every rank: it creates process groups
         # A newer DeepSpeed may reach a global group inside an optimizer step: check the first local step once.
         reason = None if self._stock_step else check_reason()
         self._collective_guard = None if reason is None else StageCollectiveGuard(self, reason)
         # (make_lookahead restores by copy where copies must stay bit-identical: DP replicas, tied owners)
-        self._lookahead = make_lookahead(self, self.paci.lookahead and not self._stock_step,
+        self._lookahead = make_lookahead(self._ctx, self.paci.lookahead and not self._stock_step,
                                          self.paci.lookahead_restore)
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
@@ -477,11 +482,6 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
             self._lookahead.after_step()
         if self._skips.record(applied, version) and not self._stock_step:
             self._stop_request = (self._skips.last_skipped_step, self._skips.consecutive, self._skips.limit)
-
-    def clip_fp32_gradients(self):
-        if self._stock_step:
-            return super().clip_fp32_gradients()
-        clip_by_norm(self.module.parameters(), self.gradient_clipping(), self._paci_grad_norm)
 
     # The one place actions meet DeepSpeed: each kind of action to what runs it (DeepSpeed's through the seam).
     _PACI_ACTIONS = {

@@ -219,6 +219,18 @@ def held_counters(engine):
         engine.global_steps, engine.global_samples = steps, samples
 
 
+@contextlib.contextmanager
+def held_clipping(engine):
+    """DeepSpeed's step with its own clipping off (an unwrapped optimizer: :func:`guarded_step` has clipped by the
+    stage's norm already; DeepSpeed's ``clip_fp32_gradients`` would clip by a norm over its model-parallel group)."""
+    clip = engine.gradient_clipping()
+    ds.set_config_gradient_clipping(engine, 0.0)
+    try:
+        yield
+    finally:
+        ds.set_config_gradient_clipping(engine, clip)
+
+
 def skip_step(engine):
     """Skip an optimizer step: nothing applied, gradients zeroed, counted in ``skipped_steps``."""
     if is_wrapped(engine.optimizer):
@@ -252,14 +264,16 @@ def guarded_step(engine, before_skip=None):
         return applied
     norm = stage_grad_norm(engine.module.parameters())
     value = float(norm)
-    engine._paci_grad_norm = value
     if not math.isfinite(value):
         if before_skip is not None:
             before_skip()
         skip_step(engine)
         ds.set_global_grad_norm(engine, value)
         return False
-    with held_counters(engine):
-        ds.exec_optimizer_step(engine)  # clip_fp32_gradients() reads engine._paci_grad_norm
+    clip = engine.gradient_clipping()
+    if clip > 0:
+        clip_by_norm(engine.module.parameters(), clip, value)  # by the stage's own norm, DeepSpeed's formula
+    with held_counters(engine), held_clipping(engine):
+        ds.exec_optimizer_step(engine)  # DeepSpeed's step, without its clip over the whole pipeline
     ds.set_global_grad_norm(engine, value)
     return True

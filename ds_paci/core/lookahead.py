@@ -454,22 +454,22 @@ def lookahead_for_torch_optimizer(optimizer, aliases, restore="copy", max_norm=0
     return LookAhead(slots, restore, "torch", clip)
 
 
-def _exact_restore(engine, restore, kind):
+def _exact_restore(ctx, restore, kind):
     """``"copy"`` where copies must stay bit-identical (data-parallel replicas, tied owners); else ``restore``."""
     if restore != "recompute" or kind != "torch":
         return restore
-    tied = getattr(engine, "_tied", None)
-    replicas = engine.dp_world_size > 1
+    tied = ctx.tied
+    replicas = ctx.dp_world_size > 1
     owner = tied is not None and bool(tied.exchanges)
-    if (replicas or owner) and engine.global_rank == 0:
+    if (replicas or owner) and ctx.global_rank == 0:
         logger.info(f"ds_paci: \"lookahead_restore\": \"recompute\" is exact only up to rounding; stages with "
-                    f"data-parallel replicas (here {engine.dp_world_size}) or tied copies on several stages restore by "
+                    f"data-parallel replicas (here {ctx.dp_world_size}) or tied copies on several stages restore by "
                     "\"copy\" instead, so that their copies stay bit-identical")
     return "copy" if replicas or owner else restore
 
 
-def make_lookahead(engine, enabled, restore="copy"):
-    """A :class:`LookAhead` for ``engine``'s stage, or ``None`` (disabled, or an optimizer we cannot predict).
+def make_lookahead(ctx, enabled, restore="copy"):
+    """A :class:`LookAhead` for the stage of ``ctx`` (a :class:`~ds_paci.core.stage_context.StageContext`), or ``None`` (disabled, or an optimizer we cannot predict).
 
     When the optimizer is not predicted, one line (from rank 0) names the reason and the
     fallback, and training continues without look-ahead.
@@ -478,10 +478,10 @@ def make_lookahead(engine, enabled, restore="copy"):
         return None
     if restore not in RESTORE_MODES:
         raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
-    slots, kind, clip, reason = engine_slots(engine)
+    slots, kind, clip, reason = engine_slots(ctx)
     if reason is not None:
-        if engine.global_rank == 0:
-            logger.warning(f"ds_paci: stage {engine.stage_id}: look-ahead off: {reason}; {FALLBACK} (set \"paci\": "
+        if ctx.global_rank == 0:
+            logger.warning(f"ds_paci: stage {ctx.stage_id}: look-ahead off: {reason}; {FALLBACK} (set \"paci\": "
                            "{\"lookahead\": false} to silence this line)")
         return None
-    return LookAhead(slots, _exact_restore(engine, restore, kind), kind, clip)
+    return LookAhead(slots, _exact_restore(ctx, restore, kind), kind, clip)

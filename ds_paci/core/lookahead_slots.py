@@ -183,9 +183,9 @@ def inner_optimizer(opt):
     return opt
 
 
-def engine_slots(engine):
-    """``(slots, kind, clip, None)`` for the engine's optimizer, or ``(None, None, None, reason)``."""
-    opt = engine.optimizer
+def engine_slots(ctx):
+    """``(slots, kind, clip, None)`` for the stage's optimizer (``ctx``: a :class:`~ds_paci.core.stage_context.StageContext`), or ``(None, None, None, reason)``."""
+    opt = ctx.optimizer
     inner = inner_optimizer(opt)
     reader, reason = rule_reader(inner)
     if reader is None:
@@ -199,13 +199,13 @@ def engine_slots(engine):
             return slots, "bf16", clip, None
         slots, clip, reason = _zero_slots(opt, reader)
         return slots, "zero1", clip, reason
-    if getattr(engine, "_aliases", None) is None:
+    if ctx.aliases is None:
         return None, None, None, f"optimizer wrapper {type(opt).__name__} is not supported"
     # DeepSpeed's reduce (every local step) gives each trainable parameter without a gradient a zero one
-    zero = ds.zero_fills_missing_gradients(engine)
-    slots, reason = torch_slots(opt, engine._aliases, lambda p: zero and p.requires_grad and p.numel() > 0)
+    zero = ds.zero_fills_missing_gradients(ctx.engine)
+    slots, reason = torch_slots(opt, ctx.aliases, lambda p: zero and p.requires_grad and p.numel() > 0)
     if slots is None:
         return None, None, None, reason
-    clip = ClipSource(lambda: float(engine.gradient_clipping()),
-                      lambda: float(stage_grad_norm(engine.module.parameters())))
+    clip = ClipSource(lambda: float(ctx.gradient_clipping()),
+                      lambda: float(stage_grad_norm(ctx.module.parameters())))
     return slots, "torch", clip, None

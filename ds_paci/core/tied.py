@@ -133,19 +133,19 @@ class TiedWeights:
     """
 
     @classmethod
-    def create(cls, engine):
+    def create(cls, ctx):
         """``None`` when no tied key spans two stages (the same answer on every rank)."""
-        owners = tied_owner_stages(engine.module)
+        owners = tied_owner_stages(ctx.module)
         if not owners:
             return None
-        return cls(engine, owners)
+        return cls(ctx, owners)
 
-    def __init__(self, engine, owners):
-        self.engine = engine
+    def __init__(self, ctx, owners):
+        self.ctx = ctx
         self.owners = owners
-        self.check = engine.paci.check_tied_copies
-        module, grid = engine.module, engine.grid
-        rank = engine.global_rank
+        self.check = ctx.paci.check_tied_copies
+        module, grid = ctx.module, ctx.grid
+        rank = ctx.global_rank
         tp = grid.get_slice_parallel_world_size()
         groups = {}
         mine = {}
@@ -166,8 +166,8 @@ class TiedWeights:
                 for attr in ds.tied_weight_attrs(module)[key]
             ]
             self.exchanges.append(Exchange(ranks, stages, groups[ranks], keys, params, rank))
-        self.optimizer = TiedOptimizer(engine, [p for ex in self.exchanges for p in ex.params])
-        if not engine._stock_step:
+        self.optimizer = TiedOptimizer(ctx, [p for ex in self.exchanges for p in ex.params])
+        if not ctx.stock_step:
             # DeepSpeed marks the later owners' tied modules (all their parameters, tied or not) as replicated so
             # that its global norm counts them once. Async norms are stage-local and see zeros for the tied
             # weights (TiedOptimizer.clear): a later owner must count its own non-tied parameters too.
@@ -191,19 +191,19 @@ class TiedWeights:
     @property
     def lag(self):
         """``L`` for the current window (``set_train_batch_size`` may change a defaulted window; it drains first)."""
-        window = self.engine.accumulation_window
-        return max(tied_lag(self.engine.num_stages, stages, window) for stages in self.owners.values())
+        window = self.ctx.accumulation_window
+        return max(tied_lag(self.ctx.num_stages, stages, window) for stages in self.owners.values())
 
     # -- the exchange ----------------------------------------------------------------------
     def _message(self, ex, stage_finite):
         """This owner's window message: its tied gradient (DP-averaged under ZeRO) and its finite flag."""
         own = self.optimizer.read(ex.params)
-        engine = self.engine
+        ctx = self.ctx
         if self.mode == "zero":
             own = torch.cat([own, own.new_tensor([0.0 if stage_finite else 1.0])])
-            if engine.dp_world_size > 1:  # the flag rides along: any replica's non-finite gradient counts
-                tdist.all_reduce(own, group=engine.grid.get_data_parallel_group())
-                own.div_(engine.dp_world_size)
+            if ctx.dp_world_size > 1:  # the flag rides along: any replica's non-finite gradient counts
+                tdist.all_reduce(own, group=ctx.grid.get_data_parallel_group())
+                own.div_(ctx.dp_world_size)
             stage_finite = bool(own[-1] == 0)
             own = own[:-1]
         finite = stage_finite and bool(torch.isfinite(own).all())
@@ -211,7 +211,7 @@ class TiedWeights:
 
     def _post(self, ex, version, message):
         buffers = {r: torch.empty_like(message) for r in ex.peers}
-        works = post_ordered(self.engine.global_rank, ex.peers, message, buffers, ex.group, version)
+        works = post_ordered(self.ctx.global_rank, ex.peers, message, buffers, ex.group, version)
         for r, (send, recv) in works.items():
             ex.sends[r].append((version, send, message))
         self.max_pending_sends = max([self.max_pending_sends] + [len(q) for q in ex.sends.values()])
@@ -219,7 +219,7 @@ class TiedWeights:
         self.max_pending_receives = max(self.max_pending_receives, self._pending_receives())
 
     def _wait(self, work, what, in_drain):
-        watchdog = self.engine._watchdog
+        watchdog = self.ctx.watchdog
         watchdog.note(what)
         start = time.perf_counter()
         work.wait()
@@ -236,7 +236,7 @@ class TiedWeights:
         entry = ex.pending.pop(version)
         total, finite = None, True
         for r, stage in zip(ex.ranks, ex.stages):
-            if r == self.engine.global_rank:
+            if r == self.ctx.global_rank:
                 message = entry["own"]
             else:
                 work, message = entry["recv"][r]
@@ -248,7 +248,7 @@ class TiedWeights:
         if not (finite and bool(torch.isfinite(total).all())):
             self.skipped_windows += 1
             return None
-        clip = self.engine.gradient_clipping()
+        clip = self.ctx.gradient_clipping()
         if clip > 0:
             coef = float(clip) / (float(torch.linalg.vector_norm(total)) + 1e-6)
             if coef < 1.0:
@@ -297,7 +297,7 @@ class TiedWeights:
 
     def reduce_grads(self, version):
         """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
-        engine = self.engine
+        ctx = self.ctx
         plan, self._plan = self._plan, {}
         if self.exchanges and plan.get("post") != version:
             raise RuntimeError(f"tied exchange out of step: local step {version} without its TPOST{version} "
@@ -305,7 +305,7 @@ class TiedWeights:
         deferred = plan.get("in_drain", False)  # the last step of a drain, after every owner has posted
         final = plan.get("all", False)  # the step that applies every window not yet applied
         if self.mode != "zero" or not self.exchanges:
-            ds.exec_reduce_grads(engine)
+            ds.exec_reduce_grads(ctx.engine)
         if not self.exchanges:
             return
         stage_finite = self.optimizer.stage_gradient_finite()
@@ -320,7 +320,7 @@ class TiedWeights:
                 offset += p.numel()
             self._reap_sends(ex, version, final, deferred)
         if self.mode == "zero":
-            ds.exec_reduce_grads(engine)
+            ds.exec_reduce_grads(ctx.engine)
         self._last_lag = self.lag
 
     def step(self):
@@ -328,7 +328,7 @@ class TiedWeights:
         totals, self._totals = self._totals, None
         stage_applied, tied_applied = self.optimizer.step(totals)
         applied = stage_applied and tied_applied
-        ds.set_step_applied(self.engine, applied)
+        ds.set_step_applied(self.ctx.engine, applied)
         return applied
 
     def pending_windows(self):
@@ -356,8 +356,8 @@ class TiedWeights:
     def _settle(self):
         """At the end of a drain that leaves windows pending: wait for their receives (every owner posted them
         before the drain's end) and on every send, so nothing is in flight across the drain."""
-        watchdog = self.engine._watchdog
-        watchdog.enter("the tied exchange at the end of a drain", self.engine._stream.ticks_emitted)
+        watchdog = self.ctx.watchdog
+        watchdog.enter("the tied exchange at the end of a drain", self.ctx.ticks_emitted())
         for ex in self.exchanges:
             for version, entry in sorted(ex.pending.items()):
                 for r, (work, message) in list(entry["recv"].items()):
@@ -398,7 +398,7 @@ class TiedWeights:
     def verify(self, when):
         """Compare digests of the copies with every peer owner (point to point); raise if any differs."""
         snap = self.snapshot()
-        me = self.engine.global_rank
+        me = self.ctx.global_rank
         for ex in self.exchanges:
             prefix = f"{'+'.join(ex.keys)}."
             weights = _digest({k: v for k, v in snap.items() if k.startswith(prefix) and k.endswith(".weight")})
@@ -406,18 +406,18 @@ class TiedWeights:
             mine = torch.tensor(weights + state, dtype=torch.int64, device=ex.device)
             theirs = {r: torch.empty_like(mine) for r in ex.peers}
             works = post_ordered(me, ex.peers, mine, theirs, ex.group, _VERIFY_TAG)
-            self.engine._watchdog.note(f"comparing the tied copies {ex.keys} with ranks {list(ex.ranks)}")
+            self.ctx.watchdog.note(f"comparing the tied copies {ex.keys} with ranks {list(ex.ranks)}")
             for send, recv in works.values():
                 recv.wait()
                 send.wait()
-            self.engine._watchdog.note(None)
+            self.ctx.watchdog.note(None)
             for r, other in theirs.items():
                 what = [name for name, sl in (("weights", slice(0, 4)), ("optimizer state", slice(4, 8)))
                         if not torch.equal(mine[sl], other[sl])]
                 if what:
                     stage = ex.stages[ex.ranks.index(r)]
                     raise TiedCopiesDiverged(
-                        f"{self.engine._describe_rank()}: the copies of tied layers {ex.keys} differ from rank {r} "
+                        f"{self.ctx.describe_rank()}: the copies of tied layers {ex.keys} differ from rank {r} "
                         f"(stage {stage}) {when}: {' and '.join(what)} are not bit-identical")
         self.checks += 1
 
