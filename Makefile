@@ -25,13 +25,14 @@ OLD_STAMP := $(OLD_VENV)/.ds_paci-installed
 # gradient with a < M and with a = M on 3 stages (who divides by M; per-stage rescaling), the non-finite guard with
 # torch.optim, DeepSpeed's AdamW, BF16_Optimizer and ZeRO-1, the same with tied weights across stages and data
 # parallelism (ZeRO-1: PACI's own check before the wrapper's step), sync mode = stock in fp32 and bf16 with
-# DeepSpeed's default clipping, the refusals (bf16 wrapper), the declared range.
+# DeepSpeed's default clipping, the refusals (bf16 wrapper), the declared range, and the DeepSpeed seam (every private
+# name and engine override ds_paci relies on exists in this version's source; the tracer keeps its instruction table).
 OLDEST_TESTS ?= 'tests/test_engine.py::test_micro_batches_crossing_a_local_step_get_the_paci_gradient[2-1]' \
 	'tests/test_engine.py::test_micro_batches_crossing_a_local_step_get_the_paci_gradient[3-2]' \
 	tests/test_nonfinite.py::test_a_nan_micro_batch_is_skipped_on_every_stage_never_applied \
 	tests/test_tied_faults.py::test_a_nan_on_one_data_parallel_replica_is_skipped_by_every_replica_and_owner \
 	tests/test_contract.py::test_sync_mode_is_the_stock_engine_with_deepspeeds_default_clipping \
-	tests/test_config.py tests/test_compat.py
+	tests/test_config.py tests/test_compat.py tests/test_deepspeed_seam.py
 
 .PHONY: setup train train-flush test test-oldest bench peers simulate clean
 

@@ -9,6 +9,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.utils import logger as ds_logger
 
 import ds_paci
+from ds_paci.core.program import Kind
 from ds_paci.core.schedule import PACIStream
 from deepspeed.runtime.pipe import schedule as ds
 from mlp import DIM, TanhLayer, layer_weights, mlp_pipeline, mse, regression_batches
@@ -52,7 +53,7 @@ def _reference_adamw(real, grad, state, group, n, window):
 def expected_crossings(stages, stage, window, micro_batches, calls):
     st = PACIStream(stages, stage, window)
     ticks = [t for _ in range(calls) for t in st.advance(2 * micro_batches)]
-    return sum(1 for t in ticks for i in t if isinstance(i, ds.ForwardPass) and i.crosses_step)
+    return sum(1 for t in ticks for i in t if i.kind is Kind.FORWARD and i.crosses_step)
 
 
 # -- what each forward, backward, eval and checkpoint sees ---------------------------------------------

@@ -68,18 +68,21 @@ def regression_batches(micro_batch_size, seed=3, dim=DIM):
 
 
 def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, on_step, stale=False):
-    """Execute the PACI streams of the tanh MLP in tick order, by hand (no autograd); returns the last stage's losses.
+    """Execute the PACI streams of the tanh MLP by hand (no autograd; :func:`ds_paci.core.program_run.run_program`
+    orders the actions); returns the last stage's losses.
 
     ``W``/``gW``: per layer ``[weight, bias]`` (float64) and their gradient accumulators, changed in
     place. A forward uses the weights current at that moment and saves each layer's input and
     output. A backward adds the weight gradients from those saved activations into ``gW`` and
     passes the input gradient through the weights current *at backward time* (``stale=True``: the
     weights of the forward, as a weight-stashing scheme would). The last stage's loss is scaled by
-    ``1/window``. Each ``LocalStep`` calls ``on_step(stage, instruction, layers_of_stage)``.
+    ``1/window``. Each ``STEP`` calls ``on_step(stage, instruction, layers_of_stage)``.
     """
     from deepspeed.runtime.pipe import schedule as ds
 
-    from ds_paci.core.schedule import LocalStep, PACIStream
+    from ds_paci.core.program import Kind
+    from ds_paci.core.program_run import Handler, run_program
+    from ds_paci.core.schedule import PACIStream
     per_stage = layers // P
     gen = regression_batches(micro_batch_size)
     batches, saved, acts, grads, losses = {}, {}, {}, {}, []
@@ -90,38 +93,43 @@ def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, 
             schedule[s] += streams[s].advance(2 * gas)
     for s in range(P):
         schedule[s] += streams[s].drain()
-    for t in range(max(map(len, schedule))):
-        for s in range(P):
-            for ins in schedule[s][t] if t < len(schedule[s]) else []:
-                m = getattr(ins, "micro_batch_id", None)
-                mine = range(s * per_stage, (s + 1) * per_stage)
-                if isinstance(ins, ds.LoadMicroBatch) and s == 0:
-                    x, y = next(gen)
-                    batches[m] = (x.double(), y.double())
-                elif isinstance(ins, ds.ForwardPass):
-                    h = batches[m][0] if s == 0 else acts[(s - 1, m)]
-                    layer_io = []
-                    for i in mine:
-                        w, b = W[i]
-                        out = torch.tanh(h @ w.T + b)
-                        layer_io.append((h, out, w.clone() if stale else None))
-                        h = out
-                    saved[(s, m)] = layer_io
-                    acts[(s, m)] = h
-                    if s == P - 1:
-                        losses.append(((h - batches[m][1])**2).mean().item())
-                elif isinstance(ins, ds.BackwardPass):
-                    if s == P - 1:
-                        out, target = acts[(s, m)], batches[m][1]
-                        g = 2 * (out - target) / out.numel() / window
-                    else:
-                        g = grads.pop((s + 1, m))
-                    for i, (h_in, out, w_fwd) in zip(reversed(mine), reversed(saved.pop((s, m)))):
-                        gz = g * (1 - out * out)
-                        gW[i][0] += gz.T @ h_in
-                        gW[i][1] += gz.sum(0)
-                        g = gz @ (w_fwd if stale else W[i][0])
-                    grads[(s, m)] = g
-                elif isinstance(ins, LocalStep):
-                    on_step(s, ins, mine)
+
+    class ByHand(Handler):
+        """Each action's arithmetic, run by the one program interpreter (rendezvous order, as the engines run)."""
+
+        def run(self, s, ins, now):
+            m = ins.micro_batch
+            mine = range(s * per_stage, (s + 1) * per_stage)
+            if ins.kind is Kind.LOAD and s == 0:
+                x, y = next(gen)
+                batches[m] = (x.double(), y.double())
+            elif ins.kind is Kind.FORWARD:
+                h = batches[m][0] if s == 0 else acts[(s - 1, m)]
+                layer_io = []
+                for i in mine:
+                    w, b = W[i]
+                    out = torch.tanh(h @ w.T + b)
+                    layer_io.append((h, out, w.clone() if stale else None))
+                    h = out
+                saved[(s, m)] = layer_io
+                acts[(s, m)] = h
+                if s == P - 1:
+                    losses.append(((h - batches[m][1])**2).mean().item())
+            elif ins.kind is Kind.BACKWARD:
+                if s == P - 1:
+                    out, target = acts[(s, m)], batches[m][1]
+                    g = 2 * (out - target) / out.numel() / window
+                else:
+                    g = grads.pop((s + 1, m))
+                for i, (h_in, out, w_fwd) in zip(reversed(mine), reversed(saved.pop((s, m)))):
+                    gz = g * (1 - out * out)
+                    gW[i][0] += gz.T @ h_in
+                    gW[i][1] += gz.sum(0)
+                    g = gz @ (w_fwd if stale else W[i][0])
+                grads[(s, m)] = g
+            elif ins.kind is Kind.STEP:
+                on_step(s, ins, mine)
+
+    run = run_program(schedule, ByHand())
+    assert run.ok, run.stuck
     return losses

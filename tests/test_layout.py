@@ -13,10 +13,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ds_paci"
 
 # part -> parts it must never import (``ds_paci`` alone is the public facade over core)
 FORBIDDEN = {
-    "core": {"tools", "workload", "integrations", "facade"},
-    "workload": {"core", "tools", "integrations", "facade"},
-    "tools": {"integrations"},
-    "integrations": {"tools"},
+    "core": {"tools", "workload", "integrations", "facade", "mainjob"},
+    "workload": {"core", "tools", "integrations", "facade", "mainjob"},
+    "tools": {"integrations", "mainjob"},
+    "integrations": {"tools", "mainjob"},
+    "mainjob": {"tools", "integrations"},  # the example job: a user of the engine and the workload, used by none
 }
 
 
@@ -76,6 +77,7 @@ def test_the_graph_is_read_correctly(graph):
     assert "ds_paci.tools.records" in graph["ds_paci.tools.simulate"]
     assert "ds_paci.workload.emulate" in graph["ds_paci.workload.gpt2"]
     assert "ds_paci.tools.bench.config" in graph["ds_paci.tools.bench.runner"]
+    assert "ds_paci.mainjob.loop" in graph["ds_paci.mainjob.job"]
 
 
 def test_no_import_circle(graph):
@@ -110,3 +112,25 @@ def test_entry_points_do_not_edit_sys_path():
     offenders = [str(p.relative_to(root)) for folder in ("launch", "ds_paci") for p in (root / folder).rglob("*.py")
                  if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()]
     assert not offenders, offenders
+
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_module_over_500_lines_and_no_function_over_80():
+    """Small rooms (issue 18): every module of the package fits in 500 lines, every function in 80."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        lines = len(source.splitlines())
+        rel = path.relative_to(PACKAGE.parent)
+        if lines > MAX_MODULE_LINES:
+            too_long.append(f"{rel}: {lines} lines (module limit {MAX_MODULE_LINES})")
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{rel}:{node.lineno} {node.name}: {length} lines "
+                                    f"(function limit {MAX_FUNCTION_LINES})")
+    assert not too_long, "split these: " + "; ".join(too_long)

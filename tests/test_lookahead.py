@@ -10,8 +10,9 @@ import torch
 import workers
 from harness import run_world
 from ds_paci.core.lookahead import AdamRule, LookAhead, _Slot, adam_update
-from ds_paci.core.schedule import PACIStream, crosses_local_step, stream_violations
-from deepspeed.runtime.pipe import schedule as ds
+from ds_paci.core.program import Kind
+from ds_paci.core.schedule import PACIStream, crosses_local_step
+from ds_paci.core.validate import stream_violations
 
 
 # -- pure: the predictor equals the optimizer's next step given the complete window's gradient ----------------
@@ -150,7 +151,7 @@ def test_crossing_forwards_are_tagged_from_the_stream():
     for s in range(P):
         st = PACIStream(P, s, a)
         ticks = st.advance(2 * M) + st.advance(2 * M) + st.advance(2 * M)
-        crossing = [i.micro_batch_id for t in ticks for i in t if isinstance(i, ds.ForwardPass) and i.crosses_step]
+        crossing = [i.micro_batch for t in ticks for i in t if i.kind is Kind.FORWARD and i.crosses_step]
         # the first P-1-s micro-batches of every window after the first: forwarded (last) before the step that
         # closes the previous window, back-propagated after it
         expected = [m for m in range(a, 3 * M) if m % a < P - 1 - s]
@@ -158,8 +159,8 @@ def test_crossing_forwards_are_tagged_from_the_stream():
     # the validator catches a wrong tag
     st = PACIStream(2, 0, 2)
     ticks = st.advance(8) + st.drain()
-    forward = next(i for t in ticks for i in t if isinstance(i, ds.ForwardPass) and i.crosses_step)
-    forward.crosses_step = False
+    forward = next(i for t in ticks for i in t if i.kind is Kind.FORWARD and i.crosses_step)
+    ticks = [[i.with_(crosses_step=False) if i is forward else i for i in t] for t in ticks]  # actions are immutable
     assert any("crosses_step" in e for e in stream_violations(ticks, 2, 0, 2))
     assert crosses_local_step(4, 3, 1) and not crosses_local_step(4, 2, 1)
 

@@ -6,7 +6,6 @@ a small corpus) and signal its runner, launcher or ranks; bad inputs call the ma
 ``main()`` in this process and check that it ends before any process group exists.
 """
 
-import importlib.util
 import io
 import json
 import os
@@ -339,13 +338,6 @@ def test_a_process_whose_parent_dies_exits():
 
 
 # == bad input ========================================================================================
-def _train_module():
-    spec = importlib.util.spec_from_file_location("ds_paci_main_job", os.path.join(ROOT, "launch", "train.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _config(tmp_path, base="paci.json", **changes):
     cfg = json.load(open(os.path.join(ROOT, "configs", base)))
     for key, value in changes.items():
@@ -361,7 +353,7 @@ def _config(tmp_path, base="paci.json", **changes):
 
 
 def test_bad_flags_and_keys_end_before_any_process_group(tmp_path, monkeypatch):
-    train = _train_module()
+    from ds_paci.mainjob import job as train  # the main job launch/train.py runs
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     a_file = tmp_path / "a_file"

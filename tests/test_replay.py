@@ -3,11 +3,11 @@ tests/test_replay_engine.py)."""
 
 import torch
 
+from ds_paci.core.program import Kind
 from ds_paci.core.schedule import PACIStream
 from ds_paci.tools.replay import replay, stage_slices
 from ds_paci.workload.data import ByteTokenizer, MicroBatchIterator, encode_documents, load_corpus
 from ds_paci.workload.gpt2 import gpt2_config, gpt2_reference_model, lm_loss
-from deepspeed.runtime.pipe import schedule as ds
 
 P, M, MICRO, SEQ, STEPS = 2, 2, 2, 16, 4
 
@@ -45,7 +45,7 @@ def test_paci_replays_differ_from_sync_and_the_lookahead_predicts_the_crossing_f
     assert finals["paci"] != finals["sync"] and finals["lookahead"] != finals["paci"]
     st = PACIStream(P, 0, M)
     ticks = [t for _ in range(STEPS) for t in st.advance(2 * M)]
-    crossing = sum(1 for t in ticks for i in t if isinstance(i, ds.ForwardPass) and i.crosses_step)
+    crossing = sum(1 for t in ticks for i in t if i.kind is Kind.FORWARD and i.crosses_step)
     assert stats["lookahead"][0]["predicted_forwards"] == crossing == STEPS - 1
     assert stats["lookahead"][1]["predicted_forwards"] == 0 and stats["paci"][0]["predicted_forwards"] == 0
 

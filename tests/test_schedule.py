@@ -6,8 +6,15 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from ds_paci.tools.simulate import simulate
-from ds_paci.core.schedule import (LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction, format_stream,
-                              num_buffers, pairing_violations, parse_instruction, parse_stream, stream_violations)
+from ds_paci.core.passes import defer_steps
+from ds_paci.core.program import Action, Kind, format_action, from_deepspeed, parse_action
+from ds_paci.core.schedule import PACIStream, drift_bound, format_stream, parse_stream
+from ds_paci.core.validate import pairing_violations, stream_violations
+
+
+def plain(ticks):
+    """A stream's text without the actions' facts (what the text form was before facts were part of it)."""
+    return " | ".join(",".join(format_action(a, facts=False) for a in tick) or "-" for tick in ticks)
 
 
 def build(P, M, a, calls=3, drain=True):
@@ -40,7 +47,7 @@ def test_stream_properties_over_grid(P):
             for seg in segments[s]:
                 errors = stream_violations(seg, P, s, a, start_version=version)
                 assert not errors, f"P={P} M={M} a={a}: {errors[:3]}"
-                version += sum(isinstance(i, LocalStep) for t in seg for i in t)
+                version += sum(i.kind is Kind.STEP for t in seg for i in t)
             assert streams[s].in_flight() == 0 and streams[s].window_fill == 0
         errors = pairing_violations([flat(seg) for seg in segments])
         assert not errors, f"P={P} M={M} a={a}: {errors[:3]}"
@@ -50,7 +57,7 @@ def test_stream_properties_over_grid(P):
         assert all(peak <= P - s for s, peak in enumerate(result.peak_in_flight))
         # every stage completed the same micro-batches: 3 calls of M
         for s in range(P):
-            backs = [i.micro_batch_id for t in flat(segments[s]) for i in t if isinstance(i, ds.BackwardPass)]
+            backs = [i.micro_batch for t in flat(segments[s]) for i in t if i.kind is Kind.BACKWARD]
             assert backs == list(range(3 * M))
 
 
@@ -59,17 +66,17 @@ def test_window_steps_and_drift_in_steady_state():
     streams, segments = build(P, M, a, calls=6)
     for s in range(P):
         ticks = flat(segments[s])
-        steps = [i for t in ticks for i in t if isinstance(i, LocalStep)]
+        steps = [i for t in ticks for i in t if i.kind is Kind.STEP]
         assert [x.version for x in steps] == list(range(1, 6 * M // a + 1))
         # the bound is attained in steady state (it is tight, not just an upper bound)
         version, fwd, drifts = 0, {}, []
         for t in ticks:
             for i in t:
-                if isinstance(i, ds.ForwardPass):
-                    fwd[i.micro_batch_id] = version
-                elif isinstance(i, ds.BackwardPass):
-                    drifts.append(version - fwd.pop(i.micro_batch_id))
-                elif isinstance(i, LocalStep):
+                if i.kind is Kind.FORWARD:
+                    fwd[i.micro_batch] = version
+                elif i.kind is Kind.BACKWARD:
+                    drifts.append(version - fwd.pop(i.micro_batch))
+                elif i.kind is Kind.STEP:
                     version = i.version
         assert max(drifts) == drift_bound(P, s, a)
 
@@ -80,7 +87,7 @@ def test_every_call_advances_every_stage_by_2m_ticks_and_stage0_loads_m():
     for call in range(4):
         ticks = [st.advance(2 * M) for st in streams]
         assert {len(t) for t in ticks} == {2 * M}
-        loads = [i.micro_batch_id for t in ticks[0] for i in t if isinstance(i, ds.LoadMicroBatch)]
+        loads = [i.micro_batch for t in ticks[0] for i in t if i.kind is Kind.LOAD]
         assert loads == list(range(call * M, (call + 1) * M))
         assert streams[0].in_flight() <= P and streams[P - 1].in_flight() <= 1
 
@@ -89,10 +96,10 @@ def test_literal_streams_p2_m2_a2():
     """The whole two-stage stream for two calls and the drain, written out."""
     P, M, a = 2, 2, 2
     streams, segments = build(P, M, a, calls=2)
-    assert format_stream(flat(segments[0])) == ("L0,F0 | SA0 | L1,F1 | RG0,SA1,B0,ACC0 | "
+    assert plain(flat(segments[0])) == ("L0,F0 | SA0 | L1,F1 | RG0,SA1,B0,ACC0 | "
                                                 "L2,F2 | RG1,SA2,B1,ACC1,STEP1 | L3,F3 | RG2,SA3,B2,ACC2 | "
                                                 "- | RG3,B3,ACC3,STEP2")
-    assert format_stream(flat(segments[1])) == ("- | RA0,L0,F0 | B0,ACC0 | SG0,RA1,L1,F1 | B1,ACC1,STEP1 | "
+    assert plain(flat(segments[1])) == ("- | RA0,L0,F0 | B0,ACC0 | SG0,RA1,L1,F1 | B1,ACC1,STEP1 | "
                                                 "SG1,RA2,L2,F2 | B2,ACC2 | SG2,RA3,L3,F3 | B3,ACC3,STEP2 | SG3")
 
 
@@ -102,16 +109,14 @@ def test_text_form_round_trips():
     for s in range(P):
         ticks = flat(segments[s])
         text = format_stream(ticks)
-        again = parse_stream(text, num_buffers(P, s))
+        again = parse_stream(text, s)
         assert format_stream(again) == text
-        for t1, t2 in zip(ticks, again):
-            for i1, i2 in zip(t1, t2):
-                assert type(i1) is type(i2) and i1.kwargs == i2.kwargs
-    for bad in ("X3", "F", "F-1", "STEPx", "F3,"):
+        assert again == ticks  # every fact survives: the parsed stream is the stream
+    for bad in ("X3", "F", "F-1", "STEPx", "F3,", "F3[1]", "F3[1,y]", "STEP2[lr]", "B3[0,x]", "STEP0"):
         with pytest.raises(ValueError):
-            parse_instruction(bad, 2)
-    assert format_instruction(LocalStep(7)) == "STEP7"
-    assert format_instruction(LocalAccumulate(1, micro_batch_id=5)) == "ACC5"
+            parse_action(bad, 0)
+    assert format_action(Action(0, Kind.STEP, version=7)) == "STEP7"
+    assert format_action(Action(0, Kind.ACCUMULATE, 5)) == "ACC5"
 
 
 @pytest.mark.parametrize("P,M", [(1, 1), (2, 4), (3, 2), (4, 4), (5, 3), (8, 8), (8, 2)])
@@ -123,20 +128,29 @@ def test_sync_mode_equals_deepspeed_train_schedule(P, M):
     ReduceTiedGrads/ReduceGrads/OptimizerStep at the last tick; buffer ids may differ
     when M < P - s (DeepSpeed allocates min(P - s, M) buffers).
     """
-    compute = (ds.LoadMicroBatch, ds.ForwardPass, ds.BackwardPass, ds.SendActivation, ds.RecvActivation,
-               ds.SendGrad, ds.RecvGrad)
+    compute = (Kind.LOAD, Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD)
     for s in range(P):
         st = PACIStream(P, s, M)
         ours = st.advance(2 * M) + st.drain()
-        theirs = list(ds.TrainSchedule(micro_batches=M, stages=P, stage_id=s).steps())
+        steps = list(ds.TrainSchedule(micro_batches=M, stages=P, stage_id=s).steps())
+        theirs = from_deepspeed(s, steps)
         assert len(ours) == len(theirs)
-        for t, (mine, stock) in enumerate(zip(ours, theirs)):
-            assert [type(i) for i in mine if isinstance(i, compute)] == \
-                [type(i) for i in stock if isinstance(i, compute)], f"stage {s} tick {t}: {format_stream([mine])} vs {stock}"
+        for t, (mine, stock, raw) in enumerate(zip(ours, theirs, steps)):
+            assert [i.kind for i in mine if i.kind in compute] == \
+                [i.kind for i in stock if i.kind in compute], f"stage {s} tick {t}: {format_stream([mine])} vs {raw}"
             nbuf = max(2, min(P - s, M))
-            assert [i.micro_batch_id % nbuf for i in mine if isinstance(i, compute)] == \
-                [i.buffer_id for i in stock if isinstance(i, compute)]
-        assert sum(isinstance(i, LocalStep) for t in ours for i in t) == 1
+            assert [i.micro_batch % nbuf for i in mine if i.kind in compute] == \
+                [i.buffer_id for i in raw if type(i).__name__ in _DS_COMPUTE]
+        assert sum(i.kind is Kind.STEP for t in ours for i in t) == 1
+        # lowered for sync mode, the step ends the call's last tick, where DeepSpeed's OptimizerStep is
+        lowered = defer_steps(ours)
+        assert len(lowered) == len(theirs) and lowered[-1][-1].kind is Kind.STEP and theirs[-1][-1].kind is Kind.STEP
+        assert [[i for i in t if i.kind is not Kind.STEP] for t in lowered] == \
+            [[i for i in t if i.kind is not Kind.STEP] for t in ours]
+
+
+_DS_COMPUTE = ("LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation", "SendGrad",
+               "RecvGrad")
 
 
 def test_validator_catches_broken_streams():
@@ -144,18 +158,18 @@ def test_validator_catches_broken_streams():
     streams, segments = build(P, M, a, calls=2)
     ticks = flat(segments[0])
     # backward before forward: swap the first forward tick and the first backward tick
-    fi = next(k for k, t in enumerate(ticks) if any(isinstance(i, ds.ForwardPass) for i in t))
-    bi = next(k for k, t in enumerate(ticks) if any(isinstance(i, ds.BackwardPass) for i in t))
+    fi = next(k for k, t in enumerate(ticks) if any(i.kind is Kind.FORWARD for i in t))
+    bi = next(k for k, t in enumerate(ticks) if any(i.kind is Kind.BACKWARD for i in t))
     broken = list(ticks)
     broken[fi], broken[bi] = broken[bi], broken[fi]
     assert stream_violations(broken, P, 0, a)
     # a missing step
-    no_step = [[i for i in t if not isinstance(i, LocalStep)] for t in ticks]
+    no_step = [[i for i in t if not i.kind is Kind.STEP] for t in ticks]
     assert any("without a step" in e or "open" in e for e in stream_violations(no_step, P, 0, a))
     # truncated stream: still in flight
     assert any("in flight" in e for e in stream_violations(ticks[:10], P, 0, a))
     # mismatched pairing: drop one RecvActivation on stage 1
-    s1 = [[i for i in t if not (isinstance(i, ds.RecvActivation) and i.micro_batch_id == 2)]
+    s1 = [[i for i in t if not (i.kind is Kind.RECV_ACT and i.micro_batch == 2)]
           for t in flat(segments[1])]
     assert pairing_violations([ticks, s1, flat(segments[2])])
 
@@ -202,9 +216,9 @@ def steps_after(ticks):
     out, last = [], None
     for tick in ticks:
         for i in tick:
-            if isinstance(i, ds.BackwardPass):
-                last = i.micro_batch_id
-            elif isinstance(i, LocalStep):
+            if i.kind is Kind.BACKWARD:
+                last = i.micro_batch
+            elif i.kind is Kind.STEP:
                 out.append((last, i.lr_steps))
     return out
 
@@ -226,8 +240,8 @@ def test_carried_windows_step_after_every_a_backwards_however_often_the_stream_i
                     errors = stream_violations(seg, P, s, a, start_version=version, start_fill=fill,
                                                expect_closed=last)
                     assert not errors, (P, M, a, pattern, s, errors[:3])
-                    backs = sum(isinstance(i, ds.BackwardPass) for t in seg for i in t)
-                    steps = sum(isinstance(i, LocalStep) for t in seg for i in t)
+                    backs = sum(i.kind is Kind.BACKWARD for t in seg for i in t)
+                    steps = sum(i.kind is Kind.STEP for t in seg for i in t)
                     fill = 0 if last else (fill + backs) - a * steps
                     version += steps
                     assert 0 <= fill < a

@@ -3,9 +3,9 @@
 import math
 
 import pytest
-from deepspeed.runtime.pipe.schedule import RecvActivation, SendGrad
 
-from ds_paci.core.schedule import drift_bound, num_buffers, parse_stream
+from ds_paci.core.program import Kind
+from ds_paci.core.schedule import drift_bound, parse_stream
 from ds_paci.tools.simulate import (CostModel, DeadlockError, PairingError, comparison_rows, long_run_period, main,
                               markdown_table, paci_programs, reference_rows, simulate, simulate_paci, simulate_stock,
                               stock_programs)
@@ -55,11 +55,11 @@ def test_paci_long_run_throughput_approaches_ideal_ratio(P, M):
     assert ratio == pytest.approx(ideal, rel=1e-9)
 
 
-def _swap_first(program, stage, first_cls, second_cls):
-    """Swap the first adjacent (first_cls, second_cls) pair in one stage's ticks; return its position."""
+def _swap_first(program, stage, first_kind, second_kind):
+    """Swap the first adjacent (first_kind, second_kind) pair in one stage's ticks; return its position."""
     for t, tick in enumerate(program[stage]):
         for i in range(len(tick) - 1):
-            if isinstance(tick[i], first_cls) and isinstance(tick[i + 1], second_cls):
+            if tick[i].kind is first_kind and tick[i + 1].kind is second_kind:
                 tick[i], tick[i + 1] = tick[i + 1], tick[i]
                 return t, i
     raise AssertionError("pair not found")
@@ -67,7 +67,7 @@ def _swap_first(program, stage, first_cls, second_cls):
 
 def test_deadlock_detected_for_misordered_stream():
     programs = paci_programs(4, 4, 4, calls=2)
-    tick, index = _swap_first(programs, 2, SendGrad, RecvActivation)
+    tick, index = _swap_first(programs, 2, Kind.SEND_GRAD, Kind.RECV_ACT)
     result = simulate(programs)
     assert result.deadlock is not None
     stuck = {s.stage: s for s in result.deadlock.stuck}
@@ -80,16 +80,16 @@ def test_deadlock_detected_for_misordered_stream():
 
 
 def test_deadlock_when_both_neighbours_send_first():
-    stage0 = parse_stream("L0,F0 | SA0 | RG0,B0", num_buffers(2, 0))
-    stage1 = parse_stream("SG0 | RA0,L0,F0 | B0", num_buffers(2, 1))
+    stage0 = parse_stream("L0,F0 | SA0 | RG0,B0", 0)
+    stage1 = parse_stream("SG0 | RA0,L0,F0 | B0", 1)
     result = simulate([stage0, stage1])
     assert [(s.stage, s.text, s.tick, s.index) for s in result.deadlock.stuck] == [(0, "SA0", 1, 0),
                                                                                    (1, "SG0", 0, 0)]
 
 
 def test_literal_program_runs_with_expected_timing():
-    stage0 = parse_stream("L0,F0 | SA0 | RG0,B0,ACC0,STEP1", num_buffers(2, 0))
-    stage1 = parse_stream("RA0,L0,F0 | B0,ACC0,STEP1 | SG0", num_buffers(2, 1))
+    stage0 = parse_stream("L0,F0 | SA0 | RG0,B0,ACC0,STEP1", 0)
+    stage1 = parse_stream("RA0,L0,F0 | B0,ACC0,STEP1 | SG0", 1)
     result = simulate([stage0, stage1], CostModel(forward=1, backward=2, latency=0.5)).raise_for_errors()
     # F0@0-1, SA 1-1.5, F0@1.5-2.5, B0 2.5-4.5, SG 4.5-5, B0 5-7
     assert result.makespan == pytest.approx(7.0)
@@ -98,8 +98,8 @@ def test_literal_program_runs_with_expected_timing():
 
 
 def test_mismatched_micro_batch_pairing_detected():
-    stage0 = parse_stream("L0,F0 | SA0", num_buffers(2, 0))
-    stage1 = parse_stream("RA1,L1,F1 | -", num_buffers(2, 1))
+    stage0 = parse_stream("L0,F0 | SA0", 0)
+    stage1 = parse_stream("RA1,L1,F1 | -", 1)
     result = simulate([stage0, stage1])
     assert result.deadlock is None
     assert len(result.mismatches) == 1 and "SA0" in result.mismatches[0] and "RA1" in result.mismatches[0]

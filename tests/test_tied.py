@@ -97,21 +97,22 @@ def test_simulated_tied_waits_cost_nothing_at_lag_l_and_stall_or_deadlock_below(
         # one window less: the last stage waits for stage 0 (here: deadlocks against the pipeline, or stalls)
         below = simulate(programs, CostModel(forward=[3.0] + [1.0] * (P - 1)), tied=TiedExchange((0, P - 1), L - 1))
         if L == 1:
-            assert below.deadlock and any(st.stage == P - 1 and st.text.startswith("STEP") and st.partner == 0
+            # the program now carries the wait as an explicit apply (TAPPLY) right before the step
+            assert below.deadlock and any(st.stage == P - 1 and st.text.startswith("TAPPLY") and st.partner == 0
                                           for st in below.deadlock.stuck), below.deadlock
         else:
             assert below.ok and below.tied_wait[P - 1] > 0
 
 
 def test_the_watchdog_names_what_an_instruction_waits_for():
-    from ds_paci.core.schedule import LocalStep, format_instruction
-    dog = Watchdog(0, lambda: "rank 1 (stage 1 of 2)", format_instruction)
-    dog.enter(LocalStep(3), 17)
+    from ds_paci.core.program import Action, Kind, format_action
+    dog = Watchdog(0, lambda: "rank 1 (stage 1 of 2)", lambda a: format_action(a, facts=False))
+    dog.enter(Action(1, Kind.STEP, version=3), 17)
     dog.note("waiting for the tied gradients of weight version 2 (keys ['embed']) from rank 0 (stage 0)")
     text = dog.message(301)
     assert "in STEP3 at tick 17" in text and "tied gradients of weight version 2" in text and "rank 0 (stage 0)" in text
     dog.done()
-    dog.enter(LocalStep(4), 19)
+    dog.enter(Action(1, Kind.STEP, version=4), 19)
     assert "tied" not in dog.message(1)
 
 

@@ -364,11 +364,13 @@ def atomic_save(engine, save_dir, tag, save_latest, write):
     Every rank calls this; returns ``True`` like DeepSpeed.
     """
     from deepspeed import comm as dist
+
+    from . import deepspeed_internals as ds
     if not save_dir:
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     save_dir = os.fspath(save_dir)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    ckpt_engine = getattr(engine, "checkpoint_engine", None)
+    ckpt_engine = ds.checkpoint_engine(engine)
     if ckpt_engine is not None and ckpt_engine.is_decoupled():
         _warn_once("decoupled", "ds_paci: the decoupled DeepSpeed checkpoint writer is asynchronous; checkpoints are "
                    "saved the DeepSpeed way, without the ds_paci completeness manifest")
@@ -383,11 +385,11 @@ def atomic_save(engine, save_dir, tag, save_latest, write):
         _remove_stale(save_dir, keep=read_latest(save_dir))
     dist.barrier()
     synced = _SyncedWrites(ckpt_engine, staging)
-    engine.checkpoint_engine = synced
+    ds.set_checkpoint_engine(engine, synced)
     try:
         write(staging_name, save_latest=False)  # ends with DeepSpeed's barrier: every rank's files are written
     finally:
-        engine.checkpoint_engine = ckpt_engine
+        ds.set_checkpoint_engine(engine, ckpt_engine)
     reports, keys, expected = disks.gather_reports(synced.files, disks.replica_key(engine),
                                                    disks.expected_model_file(engine, staging_name))
     _refuse_unwritten(engine, tag, reports, keys, expected)

@@ -103,7 +103,8 @@ def layout_from_owners(owners):
 
 def replica_key(engine):
     """Ranks with the same key load the same model files: DeepSpeed's checkpoint model-parallel rank."""
-    mpu = getattr(engine, "mpu", None)
+    from . import deepspeed_internals  # imports DeepSpeed: only where an engine is at hand
+    mpu = deepspeed_internals.engine_mpu(engine)
     if mpu is not None and hasattr(mpu, "get_model_parallel_rank"):
         return int(mpu.get_model_parallel_rank())
     return 0
@@ -111,7 +112,8 @@ def replica_key(engine):
 
 def expected_model_file(engine, folder_name):
     """The model-states file this rank will load, relative to the checkpoint folder (DeepSpeed's own name), or None."""
-    name_of = getattr(engine, "_get_ckpt_name", None)
+    from . import deepspeed_internals
+    name_of = deepspeed_internals.model_states_file_namer(engine)
     if name_of is None:
         return None
     try:

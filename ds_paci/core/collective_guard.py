@@ -29,6 +29,7 @@ import torch.distributed as tdist
 from packaging.version import Version
 
 from . import compat
+from . import deepspeed_internals as ds
 
 __all__ = ["CrossStageCollectiveError", "StageCollectiveGuard", "check_reason", "COLLECTIVES", "ENV"]
 
@@ -80,7 +81,7 @@ class StageCollectiveGuard:
     def __init__(self, engine, reason):
         self.reason = reason
         self.stage = engine.stage_id
-        topo = engine.grid._topo
+        topo = ds.grid_topology(engine.grid)
         self.stage_of = {r: topo.get_coord(r).pipe for r in range(topo.world_size())}
         self.describe = engine._describe_rank
         self.seen = []  # (collective, ranks) in call order

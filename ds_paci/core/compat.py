@@ -52,18 +52,18 @@ import deepspeed
 from deepspeed.runtime import constants as _ds_constants
 from deepspeed.runtime import utils as _ds_utils
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.utils import logger
+
+from . import deepspeed_internals as ds
 
 SUPPORTED = (Version("0.16.0"), Version("0.19.8"))  # inclusive; setup.py says the same
 DS_VERSION = Version(deepspeed.__version__)
 
 # 1. DeepSpeed divides the output gradient by M (>= 0.18.3).
-DS_SCALES_BY_GAS = hasattr(DeepSpeedEngine, "_backward_prologue_per_tensor")
+DS_SCALES_BY_GAS = ds.engine_scales_output_gradients()
 # 2. ... and on every stage, not only the last (0.18.3 .. 0.19.2).
-DS_SCALES_EVERY_STAGE = DS_SCALES_BY_GAS and "_backward_prologue_per_tensor" not in vars(PipelineEngine)
+DS_SCALES_EVERY_STAGE = DS_SCALES_BY_GAS and not ds.pipeline_engine_scales_last_stage_only()
 # 3. bf16 pipelines get FP16_UnfusedOptimizer (DDP_BFLOAT16 == BFLOAT16).
 DS_BF16_GETS_UNFUSED = getattr(_ds_constants, "DDP_BFLOAT16", None) == _ds_constants.BFLOAT16
 
@@ -131,12 +131,12 @@ def adapt_engine(engine, stock):
     """
     if stock or not DS_SCALES_EVERY_STAGE:
         return
-    ds_scale = engine._backward_prologue_per_tensor  # DeepSpeedEngine's bound method
+    ds_scale = ds.backward_prologue_per_tensor(engine)  # DeepSpeedEngine's bound method
 
     def last_stage_only(grad):
         return ds_scale(grad) if engine.is_last_stage() else grad
 
-    engine._backward_prologue_per_tensor = last_stage_only  # read by DeepSpeedEngine.forward at every call
+    ds.set_backward_prologue_per_tensor(engine, last_stage_only)
 
 
 def wrapper_gradients_finite(optimizer):
@@ -149,30 +149,29 @@ def wrapper_gradients_finite(optimizer):
     if DS_WRAPPERS_SKIP_NONFINITE:
         return True
     if isinstance(optimizer, BF16_Optimizer):
-        grads = optimizer.get_grads_for_norm()[0]
+        grads = ds.grads_for_norm(optimizer)
         if not grads:
             return True
-        norm = float(_ds_utils.get_global_norm_of_tensors(input_tensors=grads, mpu=optimizer.mpu,
-                                                           norm_type=optimizer.norm_type))
+        norm = float(_ds_utils.get_global_norm_of_tensors(input_tensors=grads, mpu=ds.wrapper_mpu(optimizer),
+                                                           norm_type=ds.norm_type(optimizer)))
         return norm >= 0.0 and norm == norm and norm != float("inf")  # DeepSpeed masks inf/NaN as -1
     if isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return not optimizer.has_overflow(partition_gradients=True)  # max over its DP and (confined) MP groups
+        return not ds.zero_has_overflow(optimizer)  # max over its DP and (confined) MP groups
     return True
 
 
 def discard_wrapper_gradients(optimizer):
     """Drop a wrapper's accumulated gradients, as its own overflow branch does, for a step PACI skips."""
     if isinstance(optimizer, BF16_Optimizer):
-        optimizer.clear_lp_grads()
-        optimizer.clear_hp_grads()
+        ds.clear_wrapper_gradients(optimizer)
         return
     optimizer.zero_grad()
-    if isinstance(optimizer, DeepSpeedZeroOptimizer) and not optimizer.cpu_offload:
-        optimizer.averaged_gradients = {}
+    if isinstance(optimizer, DeepSpeedZeroOptimizer) and not ds.zero_cpu_offload(optimizer):
+        ds.discard_zero_averaged_gradients(optimizer)
 
 
 def zero_lookahead_problem(optimizer):
     """Why the look-ahead cannot predict this ZeRO-1 optimizer's partition on this DeepSpeed, or ``None`` (item 6)."""
-    if hasattr(optimizer, "round_robin_bit16_offsets") and hasattr(optimizer, "get_gradient_for_reduction"):
+    if ds.has_flat_offsets(optimizer):
         return None
     return f"ZeRO-1 on DeepSpeed {DS_VERSION} (no per-parameter offsets into its flat buffer)"

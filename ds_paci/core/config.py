@@ -310,7 +310,7 @@ def validate_run(ds_config, model, paci):
     if reason:
         raise PACIConfigError(reason)
     if not paci.drain_every_batch:
-        from .tied import tied_arrangement_problem
+        from .tied_layout import tied_arrangement_problem
         tied = tied_arrangement_problem(ds_config, model)
         if tied:
             raise PACIConfigError(tied)
@@ -323,9 +323,11 @@ def engine_config(args, kwargs):
     ``deepspeed.initialize`` passes ``config`` (dict or path) and the parsed ``config_class``;
     ``args.deepspeed_config`` is the legacy route.
     """
+    from . import deepspeed_internals  # imports DeepSpeed: not at module level (launchers check configs without it)
     config_class = kwargs.get("config_class")
-    if config_class is not None and isinstance(getattr(config_class, "_param_dict", None), dict):
-        return config_class._param_dict
+    raw = None if config_class is None else deepspeed_internals.config_class_param_dict(config_class)
+    if raw is not None:
+        return raw
     config = kwargs.get("config", kwargs.get("config_params"))
     cli = kwargs.get("args")
     try:

@@ -35,7 +35,7 @@ Contract (see also ``docs``/README):
   ``train_batch_size()`` to ``global_samples`` (default checkpoint tags ``global_step<N>``,
   the monitors' x-axis); the same on every stage, whatever ``a``. The LR scheduler follows the
   samples a stage has consumed, one scheduler step per ``M`` micro-batches its local steps
-  took (``LocalStep.lr_steps``, :mod:`ds_paci.core.schedule`); with ``a = M`` that is one per
+  took (``Action.lr_steps`` of its ``STEP`` actions, :mod:`ds_paci.core.schedule`); with ``a = M`` that is one per
   local step. ``skipped_steps`` counts this stage's skipped local steps.
 * Checkpoints are atomic (:mod:`ds_paci.core.checkpoint`): ``latest`` only ever
   names a complete checkpoint, and ``load_checkpoint`` verifies completeness first.
@@ -77,35 +77,36 @@ Contract (see also ``docs``/README):
   ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
 """
 
-import math
-import os
 import time
-from collections import OrderedDict
 
 import torch
-from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
-from deepspeed.runtime.pipe.schedule import (BackwardPass, ForwardPass, LoadMicroBatch, RecvActivation, RecvGrad,
-                                             SendActivation, SendGrad)
 from deepspeed.utils import logger
 
-from . import checkpoint, compat, window_state
+from . import compat
+from . import deepspeed_internals as ds
 from .collective_guard import CrossStageCollectiveError, StageCollectiveGuard, check_reason
 from .config import check_accumulation_window, engine_config, parse_paci_section, validate_run
+from .engine_checkpoints import EngineCheckpoints
+from .engine_losses import CallLosses
 from .feed import MicroBatchFeed
-from .guard import PACINonFiniteError, SkipCounter, assert_finite_weights, stop_message
-from .local_step import clip_by_norm, clipping_policy, guarded_step, make_stage_local, step_lr
+from .guard import PACINonFiniteError, SkipCounter
+from .local_step import clipping_policy, guarded_step, make_stage_local, step_lr
 from .lookahead import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
-from .schedule import LocalAccumulate, LocalStep, PACIStream, drift_bound, format_instruction
+from .passes import lower_call
+from .program import Kind, format_action
+from .schedule import PACIStream, drift_bound
+from .stage_context import StageContext
 from .telemetry import StageTelemetry
-from .tied import TiedWeights, tied_owner_stages
+from .tied import TiedWeights
+from .tied_layout import tied_owner_stages
 from .watchdog import Watchdog
 
 
 def _describe_instruction(instruction):
-    return instruction if isinstance(instruction, str) else format_instruction(instruction)
+    return instruction if isinstance(instruction, str) else format_action(instruction, facts=False)
 
 
 class PACIStreamError(RuntimeError):
@@ -113,31 +114,35 @@ class PACIStreamError(RuntimeError):
 
 
 def _buffer_op(fn):
+    """A DeepSpeed instruction (:mod:`ds_paci.core.deepspeed_internals`) on a buffer, run for an action."""
 
-    def run(engine, cmd):
-        return fn(engine, cmd.buffer_id)
+    def run(engine, action):
+        return fn(engine, action.micro_batch % engine._stream.nbuf)
 
     run.__name__ = fn.__name__
     return run
 
 
-class PACIPipelineEngine(PipelineEngine):
-    """DeepSpeed ``PipelineEngine`` that executes PACI streams (see the module docstring)."""
+class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
+    """DeepSpeed ``PipelineEngine`` that executes PACI streams (see the module docstring).
+
+    Two parts live in modules of their own: :class:`~ds_paci.core.engine_checkpoints.EngineCheckpoints` (save
+    and load) and :class:`~ds_paci.core.engine_losses.CallLosses` (the end of a call: losses, stop, progress)."""
 
     saves_atomically = True  # save_checkpoint/load_checkpoint go through ds_paci.core.checkpoint
 
     def __init__(self, *args, **kwargs):
         self._validate_before_build(args, kwargs)
         super().__init__(*args, **kwargs)
-        self.paci = parse_paci_section(self._config._param_dict.get("paci"))
+        self.paci = parse_paci_section(ds.param_dict(self).get("paci"))
         if not hasattr(self, "_validated"):
-            validate_run(self._config._param_dict, self.module, self.paci)
+            validate_run(ds.param_dict(self), self.module, self.paci)
         check_accumulation_window(self.paci.accumulation_window, self.micro_batches)
         window = self._configured_window()
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
         self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
         self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches)
-        self._reserve_pipe_buffers(self._stream.nbuf)
+        ds.reserve_pipe_buffers(self, self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
         compat.adapt_engine(self, stock=self._stock_step)  # what differs between DeepSpeed versions
         self._clipping = clipping_policy(self, stock=self._stock_step)
@@ -152,27 +157,29 @@ class PACIPipelineEngine(PipelineEngine):
         self._calls = 0
         self._loss_calls = 0  # train_batch and drain calls: one side-channel message each
         self._drains = 0
-        self._deferred_steps = []
-        self._releasing_steps = False
         self._skips = SkipCounter(self.paci.max_consecutive_skips)
         self._stop_request = None
-        self._paci_grad_norm = None
-        self._step_applied = True  # False only once a step was actually skipped
+        ds.set_step_applied(self, True)  # False only once a step was actually skipped
         self._last_loss = None  # (loss tensor, origin call) most recently returned
         self._loss_fresh = False
         self._channel = LossChannel(*pipeline_groups(self.grid), self.stage_id)
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
                                   explain=self._explain_wait)
-        self._tied = TiedWeights.create(self)  # tied layers on several stages (every rank: it creates groups)
+        # what the tied exchange and the look-ahead may use of this engine (they never see the engine itself)
+        self._ctx = StageContext(self, paci=self.paci, stock_step=self._stock_step, watchdog=self._watchdog,
+                                 aliases=self._aliases, describe_rank=self._describe_rank,
+                                 ticks_emitted=lambda: self._stream.ticks_emitted,
+                                 window=lambda: self._stream.window)
+        self._tied = self._ctx.tied = TiedWeights.create(self._ctx)  # every rank: it creates process groups
         # A newer DeepSpeed may reach a global group inside an optimizer step: check the first local step once.
         reason = None if self._stock_step else check_reason()
         self._collective_guard = None if reason is None else StageCollectiveGuard(self, reason)
         # (make_lookahead restores by copy where copies must stay bit-identical: DP replicas, tied owners)
-        self._lookahead = make_lookahead(self, self.paci.lookahead and not self._stock_step,
+        self._lookahead = make_lookahead(self._ctx, self.paci.lookahead and not self._stock_step,
                                          self.paci.lookahead_restore)
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
-            self._loss_monitor = LastStageMonitor(self._config.monitor_config)
+            self._loss_monitor = LastStageMonitor(ds.monitor_config(self))
         if self.global_rank == self.grid.stage_to_global(self.num_stages - 1):
             # A warning where PACI departs from DeepSpeed's default (no "gradient_clipping" key, async mode).
             log = logger.warning if "DeepSpeed's default" in self._clipping else logger.info
@@ -226,9 +233,11 @@ class PACIPipelineEngine(PipelineEngine):
         self.module.train()
         self._begin_losses()
         self.timers(TRAIN_BATCH_TIMER).start()
-        self._run(self._stream.advance(2 * self.micro_batches))
-        if self.paci.drain_every_batch:
-            self._run_drain(close_window=self._stock_step)  # a = M: nothing is left open anyway
+        ticks = self._stream.advance(2 * self.micro_batches)
+        if self.paci.drain_every_batch:  # a = M: nothing is left open anyway
+            self._run_call(ticks, self._stream.drain(self._stock_step), carry=not self._stock_step)
+        else:
+            self._run_call(ticks)
         if not self._stock_step:  # one step per call, as the stock engine counts (sync mode: DeepSpeed's step did)
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
@@ -258,75 +267,6 @@ class PACIPipelineEngine(PipelineEngine):
         once drained)."""
         self.drain(close_window=False)
         return super().eval_batch(data_iter, *args, **kwargs)
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, exclude_frozen_parameters=False):
-        """Drain (window left open), then atomically save an ordinary DeepSpeed checkpoint with the stream position
-        under ``client_state['ds_paci']`` (see :mod:`ds_paci.core.checkpoint`), and an open window's gradients in
-        one more file per rank (:mod:`ds_paci.core.window_state`). The default tag is ``global_step<N>``, ``N`` the
-        ``train_batch`` calls so far, as on the stock engine.
-
-        Refuses (on every rank, before writing anything) to save non-finite weights, and (on a rank whose
-        look-ahead could not restore the real weights) weights that are not the real ones.
-        """
-        if self._lookahead is not None:
-            self._lookahead.check_restored()
-        self.drain(close_window=False)
-        assert_finite_weights(self)
-        state = dict(client_state or {})
-        state["ds_paci"] = {"stream": self._stream.state_dict(), "telemetry": self.telemetry.summary()}
-        parent_save = super().save_checkpoint
-        window = window_state.capture(self) if window_state.needed(self) else None
-
-        def write(staging_tag, save_latest):
-            if window is not None:  # before DeepSpeed's save, which ends with the barrier the commit relies on
-                folder = os.path.join(save_dir, staging_tag)
-                os.makedirs(folder, exist_ok=True)
-                self.checkpoint_engine.save(window, os.path.join(folder, window_state.file_name(self)))
-            return parent_save(save_dir, tag=staging_tag, client_state=state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
-
-        return checkpoint.atomic_save(self, save_dir, tag, save_latest, write)
-
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """Drain, verify the checkpoint is complete (:class:`~ds_paci.core.checkpoint.CheckpointError` otherwise),
-        load it, and resume the stream where the saved (drained) one stopped, with its open window if it had one
-        (:class:`~ds_paci.core.window_state.WindowStateError` when that cannot be restored on this layout)."""
-        self.drain(close_window=False)
-        tag = checkpoint.verified_tag(self, load_dir, tag) or tag
-        path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
-        self._clipping = clipping_policy(self, stock=self._stock_step)  # wrappers restore their saved clip value
-        if path is not None:
-            self._load_window(os.path.dirname(path), (client_state or {}).get("ds_paci"))
-        self._feed.clear()
-        if self._tied is not None and self._tied.check:
-            self._tied.verify("after loading a checkpoint")
-        return path, client_state
-
-    def _load_window(self, folder, saved):
-        """After DeepSpeed's load: the saved stream position and open window (or none), replacing the current one."""
-        window_state.discard(self)  # the drained engine's own open window does not continue
-        if saved is None:  # not a ds_paci checkpoint: the stream goes on from where it was, window closed
-            self._stream.window_fill = 0
-            return
-        saved_window = saved["stream"].get("window", self._stream.window)
-        if saved["stream"].get("window_fill") and saved_window != self._stream.window:
-            raise window_state.WindowStateError(
-                f"checkpoint {folder} was saved with an open accumulation window ({saved['stream']['window_fill']} of "
-                f"{saved_window} backward passes); this run's window is {self._stream.window}: resume with "
-                f"accumulation window {saved_window}, or save a checkpoint whose windows are closed (engine.drain() "
-                "right before save_checkpoint)")
-        self._stream.load_state_dict(saved["stream"])
-        if self._stream.micro_batches != self.micro_batches:  # resumed with another batch size: the rule's unit
-            self._stream.set_micro_batches(self.micro_batches)
-        self.telemetry.version = self._stream.version
-        state = window_state.read(self, folder)
-        if state is not None:
-            window_state.restore(self, state, f"checkpoint {folder}")
-        elif self._stream.window_fill:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {folder} was saved with an open accumulation window ({self._stream.window_fill} backward "
-                f"passes) but has no {window_state.file_name(self)} for {self._describe_rank()}; load a complete "
-                "checkpoint")
 
     def set_train_batch_size(self, train_batch_size):
         """Change the number of micro-batches: a no-op for the current size; otherwise drain once, then switch.
@@ -364,13 +304,13 @@ class PACIPipelineEngine(PipelineEngine):
     def was_step_applied(self):
         """False only if this stage's most recent local step was skipped (a non-finite gradient, or an overflow; on a
         tied owner also a skipped tied total, see :mod:`ds_paci.core.tied`)."""
-        return self._step_applied
+        return ds.step_applied(self)
 
     def get_global_grad_norm(self):
         """Async: this stage's own gradient norm at its last local step (after the data-parallel reduce; never
         across stages; without tied weights shared with other stages, whose total is clipped apart). Sync mode:
         DeepSpeed's value (``None`` for a plain fp32 optimizer, as in the stock engine)."""
-        return self._global_grad_norm
+        return ds.global_grad_norm(self)
 
     def paci_stats(self):
         """This stage's telemetry: version, local steps, drift, stream position, skips, drains, loss age."""
@@ -389,7 +329,7 @@ class PACIPipelineEngine(PipelineEngine):
                      collective_check=None if self._collective_guard is None else self._collective_guard.summary(),
                      consecutive_skips=self._skips.consecutive,
                      max_consecutive_skips=self._skips.limit,
-                     grad_norm=None if self._global_grad_norm is None else float(self._global_grad_norm),
+                     grad_norm=None if ds.global_grad_norm(self) is None else float(ds.global_grad_norm(self)),
                      loss_origin_call=origin,
                      loss_age=None if origin is None else self._loss_calls - origin,
                      tied=None if self._tied is None else self._tied.stats(),
@@ -409,23 +349,34 @@ class PACIPipelineEngine(PipelineEngine):
 
     # -- stream execution -------------------------------------------------------------
     def _run_drain(self, close_window):
-        ticks = self._stream.drain(close_window)
-        if self._tied is not None:
-            self._tied.begin_drain(ticks, carry=not close_window)
-        self._run(ticks)
-        self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
-        if self._deferred_steps:  # sync mode: the call's local step(s) after its last tick, as DeepSpeed steps
-            steps, self._deferred_steps = self._deferred_steps, []
-            self._releasing_steps = True
-            try:
-                self._run([steps], first_tick=self._stream.ticks_emitted)
-            finally:
-                self._releasing_steps = False
-        if self._tied is not None:  # a tied owner's last step of the segment, after every stage has posted
-            self._tied.end_drain(self._local_step, self._stream.ticks_emitted - 1)
+        self._run_call([], self._stream.drain(close_window), carry=not close_window)
+
+    def lower(self, ticks, drain_ticks=None, carry=False):
+        """This stage's program for one call: the stream's ticks (and a drain's) through the passes it needs
+        (:func:`ds_paci.core.passes.lower_call`): sync mode's steps at the end of the call, a tied owner's
+        exchange and its last step of a drain after the drain. What :meth:`run_program` executes."""
+        tied = None
+        if self._tied is not None and self._tied.exchanges and not self._stock_step:
+            tied = (self._tied.pending_windows(), self._tied.lag)
+        return lower_call(ticks, drain_ticks, sync_steps=self._stock_step, tied=tied, carry=carry)
+
+    def _run_call(self, ticks, drain_ticks=None, carry=False):
+        first_tick = self._stream.ticks_emitted - len(ticks) - len(drain_ticks or [])
+        program = self.lower(ticks, drain_ticks, carry)
+        self.run_program(program, first_tick, drains=drain_ticks is not None, carry=carry)
+
+    def run_program(self, program, first_tick=None, drains=False, carry=False):
+        """Execute one call's lowered ``program`` (this stage's ticks of actions). ``drains``: it ends with a
+        drain (``carry``: one that leaves the window open); the drain's bookkeeping follows it."""
+        self._run(program, first_tick)
+        if drains:
+            self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
+            if self._tied is not None:  # settle or check the exchange, compare the copies
+                stepped = bool(program) and any(a.kind is Kind.STEP and a.in_drain for a in program[-1])
+                self._tied.finish_drain(carry, stepped)
 
     def _run(self, ticks, first_tick=None):
-        table = self._PACI_INSTRUCTIONS
+        table = self._PACI_ACTIONS
         telemetry, watchdog = self.telemetry, self._watchdog
         if first_tick is None:
             first_tick = self._stream.ticks_emitted - len(ticks)
@@ -438,10 +389,10 @@ class PACIPipelineEngine(PipelineEngine):
                     watchdog.enter(cmd, tick_id)
                     if telemetry.tracing:
                         start = time.time()
-                        table[type(cmd)](self, cmd)
-                        telemetry.record(format_instruction(cmd), start, time.time())
+                        table[cmd.kind](self, cmd)
+                        telemetry.record(format_action(cmd, facts=False), start, time.time())
                     else:
-                        table[type(cmd)](self, cmd)
+                        table[cmd.kind](self, cmd)
                     watchdog.done()
         except (PACINonFiniteError, CrossStageCollectiveError):
             raise
@@ -450,8 +401,8 @@ class PACIPipelineEngine(PipelineEngine):
             notice = self._channel.stop_notice(wait_s=2.0) if self._channel.active else None
             if notice is not None:
                 raise PACINonFiniteError(self._stop_text(notice)) from e
-            raise PACIStreamError(f"{self._describe_rank()} failed in {format_instruction(cmd)} at tick {tick_id} "
-                                  f"of its stream: {type(e).__name__}: {e}") from e
+            raise PACIStreamError(f"{self._describe_rank()} failed in {format_action(cmd, facts=False)} at tick "
+                                  f"{tick_id} of its stream: {type(e).__name__}: {e}") from e
         finally:
             watchdog.idle()
             self._in_stream = False
@@ -462,42 +413,38 @@ class PACIPipelineEngine(PipelineEngine):
 
     def _next_batch(self):
         if not self._in_stream:
-            return super()._next_batch()
+            return ds.stock_next_batch(self)
         batch = self._feed.next()
-        if self.batch_fn:
-            batch = self.batch_fn(batch)
+        if ds.batch_fn(self):
+            batch = ds.batch_fn(self)(batch)
         return batch
 
     def _exec_paci_forward(self, cmd):
-        self.telemetry.forward(cmd.buffer_id)
+        buffer_id = cmd.micro_batch % self._stream.nbuf
+        self.telemetry.forward(buffer_id)
         if self._lookahead is not None and cmd.crosses_step:
             # this micro-batch's backward comes after the next local step: forward on the predicted next weights
             with self._lookahead.applied(cmd.window_fill, self._stream.window):
-                PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
+                ds.exec_forward_pass(self, buffer_id)
         else:
-            PipelineEngine._exec_forward_pass(self, cmd.buffer_id)
+            ds.exec_forward_pass(self, buffer_id)
 
     def _exec_paci_backward(self, cmd):
         if self.is_last_stage() and not self._stock_step:
             # PACI averages over the window of a micro-batches (DeepSpeed divides by M, or not: see compat).
             factor = compat.last_stage_loss_factor(self.micro_batches, self._stream.window)
             if factor != 1.0:
-                self.loss = self.loss * factor
-        PipelineEngine._exec_backward_pass(self, cmd.buffer_id)
+                ds.set_stage_loss(self, ds.stage_loss(self) * factor)
+        ds.exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
 
     def _exec_local_accumulate(self, cmd):
-        self.telemetry.accumulate(cmd.buffer_id, cmd.micro_batch_id)
+        self.telemetry.accumulate(cmd.micro_batch % self._stream.nbuf, cmd.micro_batch)
 
-    def _exec_local_step(self, cmd):
-        if self._stock_step and not self._releasing_steps:
-            self._deferred_steps.append(cmd)  # run at the end of the call (see _run_drain)
-            return
-        if self._tied is not None and not self._stock_step and self._tied.defer(cmd):
-            return  # the segment's last step of a tied owner runs at the end of the drain
-        self._local_step(cmd)
+    def _exec_tied(self, cmd):
+        self._tied.expect(cmd)  # TPOST/TAPPLY: run inside the local step that follows (see ds_paci.core.passes)
 
     def _local_step(self, cmd):
-        """Run local step ``cmd`` (a :class:`LocalStep`); the first async one under the collective guard, if on."""
+        """Run local step ``cmd`` (a ``STEP`` action); the first async one under the collective guard, if on."""
         guard = self._collective_guard
         if guard is not None and not guard.done:
             with guard:
@@ -511,17 +458,17 @@ class PACIPipelineEngine(PipelineEngine):
             self._lookahead.before_step()
         if self._stock_step:  # DeepSpeed's order: tied all-reduce, then the DP reduce
             if self._tied is not None:
-                self._exec_reduce_tied_grads()
-            self._exec_reduce_grads()
+                ds.exec_reduce_tied_grads(self)
+            ds.exec_reduce_grads(self)
         elif self._tied is not None:
             self._tied.reduce_grads(version)  # DP reduce plus the tied-gradient exchange
         else:
-            self._exec_reduce_grads()  # DP group of this stage only
+            ds.exec_reduce_grads(self)  # DP group of this stage only
         if self._aliases is not None:
             self._aliases.bind_grads()
         if self._stock_step:
-            self._exec_optimizer_step()  # DeepSpeed's step exactly (sync mode)
-            applied = self._step_applied
+            ds.exec_optimizer_step(self)  # DeepSpeed's step exactly (sync mode)
+            applied = ds.step_applied(self)
         elif self._tied is not None and self._tied.exchanges:
             applied = self._tied.step()  # the stage's own gradient and the tied total, each with its verdict
         else:
@@ -536,147 +483,17 @@ class PACIPipelineEngine(PipelineEngine):
         if self._skips.record(applied, version) and not self._stock_step:
             self._stop_request = (self._skips.last_skipped_step, self._skips.consecutive, self._skips.limit)
 
-    def clip_fp32_gradients(self):
-        if self._stock_step:
-            return super().clip_fp32_gradients()
-        clip_by_norm(self.module.parameters(), self.gradient_clipping(), self._paci_grad_norm)
-
-    _PACI_INSTRUCTIONS = {
-        LoadMicroBatch: _buffer_op(PipelineEngine._exec_load_micro_batch),
-        ForwardPass: _exec_paci_forward,
-        BackwardPass: _exec_paci_backward,
-        SendActivation: _buffer_op(PipelineEngine._exec_send_activations),
-        RecvActivation: _buffer_op(PipelineEngine._exec_recv_activations),
-        SendGrad: _buffer_op(PipelineEngine._exec_send_grads),
-        RecvGrad: _buffer_op(PipelineEngine._exec_recv_grads),
-        LocalAccumulate: _exec_local_accumulate,
-        LocalStep: _exec_local_step,
+    # The one place actions meet DeepSpeed: each kind of action to what runs it (DeepSpeed's through the seam).
+    _PACI_ACTIONS = {
+        Kind.LOAD: _buffer_op(ds.exec_load_micro_batch),
+        Kind.FORWARD: _exec_paci_forward,
+        Kind.BACKWARD: _exec_paci_backward,
+        Kind.SEND_ACT: _buffer_op(ds.exec_send_activations),
+        Kind.RECV_ACT: _buffer_op(ds.exec_recv_activations),
+        Kind.SEND_GRAD: _buffer_op(ds.exec_send_grads),
+        Kind.RECV_GRAD: _buffer_op(ds.exec_recv_grads),
+        Kind.ACCUMULATE: _exec_local_accumulate,
+        Kind.STEP: lambda engine, cmd: engine._local_step(cmd),
+        Kind.TIED_POST: _exec_tied,
+        Kind.TIED_APPLY: _exec_tied,
     }
-
-    # -- losses and logging -----------------------------------------------------------
-    def _begin_losses(self):
-        self.total_loss = None
-        self.total_additional_losses = None
-        self.fwd_outputs = []
-        self._compute_loss = True
-
-    def _finish_call(self):
-        """End of a ``train_batch``/``drain`` call: the loss every rank returns, the side channel, the stop check."""
-        self._loss_calls += 1
-        self._loss_fresh = False
-        if self.is_last_stage():
-            computed = self._last_stage_loss()
-            if computed is not None:
-                self._last_loss = (computed, self._loss_calls)
-                self._loss_fresh = True
-                if not math.isfinite(float(computed)):
-                    self.telemetry.nonfinite_losses += 1
-            if self._channel.active:
-                loss, origin = self._last_loss if self._last_loss is not None else (None, 0)
-                extras = list((self.agg_additional_losses or {}).values()) if self._loss_fresh else self._last_extras
-                self._last_extras = extras
-                self._channel.publish(loss, origin, extras)
-        elif self._channel.active:
-            if self.paci.drain_every_batch:
-                self._watchdog.enter("the loss of the last stage (sync mode)", self._stream.ticks_emitted)
-                try:
-                    self._channel.wait_for(self._loss_calls)
-                finally:
-                    self._watchdog.idle()
-            else:
-                self._channel.poll()
-            msg = self._channel.latest
-            if (msg is not None and msg.origin_call > 0  # origin 0: the last stage had no value yet either
-                    and (self._last_loss is None or self._last_loss[1] != msg.origin_call)):
-                value = torch.tensor(msg.value, dtype=torch.float32, device=self.device)
-                self._last_loss = (value, msg.origin_call)
-                self.agg_additional_losses = self._named_additional(msg.extras)
-        self._check_stop()
-        if self._last_loss is None:
-            loss = torch.tensor(math.nan, dtype=torch.float32, device=self.device)
-        else:
-            loss = self._last_loss[0].clone()
-        self.agg_train_loss = loss
-        return loss
-
-    _last_extras = ()
-
-    def _last_stage_loss(self):
-        """Mean loss (and additional losses) of the micro-batches completed in this call, averaged over DP; or None."""
-        if not self.fwd_outputs or not torch.is_tensor(self.total_loss):
-            return None
-        n = len(self.fwd_outputs)
-        with torch.no_grad():
-            loss = (self.total_loss / n).detach().clone()
-            extras = OrderedDict((k, (v / n).detach().clone()) for k, v in (self.total_additional_losses or {}).items()
-                                 if torch.is_tensor(v))
-            if self.is_data_parallel and not extras:  # as DeepSpeed's _aggregate_total_loss reduces it
-                dist.all_reduce(loss, group=self.grid.get_data_parallel_group())
-                loss /= self.dp_world_size
-            elif self.is_data_parallel:  # one reduce for the loss and the additional losses, as DeepSpeed does
-                flat = torch.cat([loss.reshape(-1)] + [v.reshape(-1) for v in extras.values()])
-                dist.all_reduce(flat, group=self.grid.get_data_parallel_group())
-                flat /= self.dp_world_size
-                loss = flat[:loss.numel()].clone().reshape(loss.shape)
-                offset = loss.numel()
-                for k, v in extras.items():
-                    extras[k] = flat[offset:offset + v.numel()].clone().reshape(v.shape)
-                    offset += v.numel()
-        self.agg_additional_losses = extras or None
-        return loss
-
-    def _named_additional(self, values):
-        """Additional losses from the side channel, named as the module names them (as DeepSpeed's engine does)."""
-        names = self.module.get_additional_losses()
-        if not names or not values:
-            return None
-        return OrderedDict((name, torch.tensor(v, dtype=torch.float32, device=self.device))
-                           for name, v in zip(names.keys(), values))
-
-    def _check_stop(self):
-        """Raise :class:`PACINonFiniteError` if this stage, or another stage of its pipeline, stops the run."""
-        if self._stop_request is not None:
-            step, count, limit = self._stop_request
-            if self._channel.active:
-                self._channel.announce_stop(step, count, limit)
-            raise PACINonFiniteError(stop_message(self.stage_id, step, count, limit, self._describe_rank()))
-        notice = self._channel.stop_notice() if self._channel.active else None
-        if notice is not None:
-            raise PACINonFiniteError(self._stop_text(notice))
-
-    def _stop_text(self, notice):
-        return stop_message(notice.stage, notice.step, notice.count, notice.limit, self._describe_rank())
-
-    def _explain_wait(self, instruction):
-        """Watchdog: what a rank stuck in ``instruction`` is waiting for."""
-        notice = self._channel.sniff_stop() if self._channel.active else None
-        if notice is not None:
-            return "; " + self._stop_text(notice)
-        if isinstance(instruction, (SendActivation, RecvGrad)):
-            return (f"; it is waiting for stage {self.stage_id + 1}, which is stuck, dead or running a different "
-                    "stream")
-        if isinstance(instruction, (SendGrad, RecvActivation)):
-            return (f"; it is waiting for stage {self.stage_id - 1}, which is stuck, dead or running a different "
-                    "stream")
-        if isinstance(instruction, LocalStep):
-            return ("; it is stuck in its own local step (optimizer, or the gradient reduce with its data-parallel "
-                    "replicas)")
-        if isinstance(instruction, str) and instruction.startswith("the loss"):
-            return f"; it is waiting for stage {self.num_stages - 1}, the last stage of its pipeline"
-        if isinstance(instruction, str):
-            return "; it is waiting for the peer named above"
-        return "; it is stuck in its own computation (forward, backward or data loading), not waiting for a peer"
-
-    def _report(self, loss):
-        if self._loss_monitor is not None and self._loss_fresh:
-            self._loss_monitor.write_events([("Train/Samples/train_loss", loss.item(), self.global_samples)])
-        every = self.steps_per_print()
-        if not every or self._calls % every:
-            return
-        if self.grid.data_parallel_id == 0:
-            logger.info(f"ds_paci: {self.telemetry.describe()}")
-        if self.is_last_stage() and self.grid.data_parallel_id == 0:
-            elapsed = self.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0
-            print(f"ds_paci: train_batch {self._calls} loss {loss.item():.4f} version {self.telemetry.version} "
-                  f"samples/sec {self.train_batch_size() * every / max(elapsed, 1e-9):.1f}",
-                  flush=True)

@@ -34,22 +34,15 @@ is the stock engine exactly):
 5. **Counters and the scheduler** (:func:`held_counters`): DeepSpeed's ``_take_model_step`` steps the LR
    scheduler once and adds one to ``global_steps`` (and ``train_batch_size`` to ``global_samples``) per
    optimizer step. An async local step is not a ``train_batch`` call: the engine counts calls itself (as
-   the stock engine's one step per call does), and steps the scheduler ``LocalStep.lr_steps`` times
+   the stock engine's one step per call does), and steps the scheduler ``lr_steps`` times (the ``STEP`` action's fact)
    (:func:`step_lr`; :mod:`ds_paci.core.schedule` states the rule).
 4. **Clipping** (:func:`clipping_policy`): ``gradient_clipping`` > 0 clips by that stage-local norm. When
    the config does not set ``gradient_clipping`` (DeepSpeed's default, 1.0 from 0.19.3, clips by a norm over
    all stages, a cross-stage collective), async PACI does not clip.
 
-DeepSpeed internals the engine contract relies on (read in 0.16.0 to 0.19.8; what differs between versions is
-handled in :mod:`ds_paci.core.compat`; the list to re-check for a new version):
-``DeepSpeedEngine._take_model_step``'s bookkeeping (``_step_applied``, ``skipped_steps``,
-``global_steps``, ``global_samples``, the scheduler's ``TypeError`` fallback, ``lr_scheduler`` read at
-each step), mirrored by :func:`skip_step` and :func:`step_lr` and held by :func:`held_counters`; the wrappers' ``mpu`` / ``model_parallel_*`` / ``clip_grad`` / ``overflow`` /
-``_global_grad_norm`` attributes (here); ``engine._config._param_dict`` and ``_config.gradient_clipping``
-(:func:`clipping_policy`); ``PipelineEngine``'s ``total_loss``, ``total_additional_losses``, ``fwd_outputs``
-and ``agg_additional_losses`` (``engine._last_stage_loss``); ``deepspeed.initialize`` passing
-``config_class`` to the engine (``config.engine_config``) and reading ``deepspeed.PipelineEngine`` at call
-time (``initialize._pipeline_engine_class``).
+DeepSpeed internals used here (``_take_model_step``'s bookkeeping, the wrappers' ``mpu`` / ``model_parallel_*`` /
+``clip_grad`` / ``overflow``, ``_global_grad_norm``, the raw config) are reached through
+:mod:`ds_paci.core.deepspeed_internals`, the list to re-check for a new DeepSpeed version.
 """
 
 import contextlib
@@ -60,6 +53,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from . import compat
+from . import deepspeed_internals as ds
 
 
 class StageLocalMPU:
@@ -133,13 +127,12 @@ def make_stage_local(engine, confine=True):
         raise TypeError("PACI needs an optimizer: pass optimizer= to initialize or add an \"optimizer\" section")
     if isinstance(opt, BF16_Optimizer):
         if confine:
-            opt.mpu = mpu
+            ds.set_wrapper_mpu(opt, mpu)
         return None
     if isinstance(opt, DeepSpeedZeroOptimizer):
         if confine:
-            opt.model_parallel_group = mpu.get_model_parallel_group()
-            opt.model_parallel_world_size = mpu.get_model_parallel_world_size()
-            opt.model_parallel_rank = mpu.get_model_parallel_rank()
+            ds.set_zero_model_parallel(opt, mpu.get_model_parallel_group(), mpu.get_model_parallel_world_size(),
+                                       mpu.get_model_parallel_rank())
         return None
     if isinstance(opt, torch.optim.Optimizer):
         return ParamAliases(opt)
@@ -161,14 +154,14 @@ def clipping_policy(engine, stock):
     default), and a set value clips by the stage's own norm.
     Call again after loading a checkpoint (wrappers restore their saved clip value).
     """
-    explicit = "gradient_clipping" in engine._config._param_dict
+    explicit = "gradient_clipping" in ds.param_dict(engine)
     if stock:
         return f"{engine.gradient_clipping()} over the whole pipeline, as DeepSpeed's engine (sync mode)"
     if not explicit:
-        engine._config.gradient_clipping = 0.0
+        ds.set_config_gradient_clipping(engine, 0.0)
     clip = engine.gradient_clipping()
     if is_wrapped(engine.optimizer):
-        engine.optimizer.clip_grad = clip
+        ds.set_clip_grad(engine.optimizer, clip)
     if not explicit and compat.DS_DEFAULT_CLIPPING > 0:
         return (f"none: the config sets no \"gradient_clipping\" (DeepSpeed's default {compat.DS_DEFAULT_CLIPPING} "
                 "clips by a norm over all stages, a cross-stage collective PACI does not run); set it to clip by "
@@ -226,20 +219,32 @@ def held_counters(engine):
         engine.global_steps, engine.global_samples = steps, samples
 
 
+@contextlib.contextmanager
+def held_clipping(engine):
+    """DeepSpeed's step with its own clipping off (an unwrapped optimizer: :func:`guarded_step` has clipped by the
+    stage's norm already; DeepSpeed's ``clip_fp32_gradients`` would clip by a norm over its model-parallel group)."""
+    clip = engine.gradient_clipping()
+    ds.set_config_gradient_clipping(engine, 0.0)
+    try:
+        yield
+    finally:
+        ds.set_config_gradient_clipping(engine, clip)
+
+
 def skip_step(engine):
     """Skip an optimizer step: nothing applied, gradients zeroed, counted in ``skipped_steps``."""
     if is_wrapped(engine.optimizer):
         compat.discard_wrapper_gradients(engine.optimizer)
     else:
         engine.zero_grad()
-    engine._step_applied = False
+    ds.set_step_applied(engine, False)
     engine.skipped_steps += 1
 
 
 def guarded_step(engine, before_skip=None):
     """The async local step's optimizer part, with the non-finite guard; returns True if the step was applied.
 
-    Call after the data-parallel reduce. Leaves the stage's norm in ``engine._global_grad_norm``. Steps neither
+    Call after the data-parallel reduce. Leaves the stage's norm as the engine's ``get_global_grad_norm()``. Steps neither
     the LR scheduler nor the counters (the caller does: :func:`held_counters`). ``before_skip``: called when the
     step is skipped (a tied owner still updates its tied weights there: :mod:`ds_paci.core.tied_optimizer`).
     """
@@ -249,24 +254,26 @@ def guarded_step(engine, before_skip=None):
             if before_skip is not None:
                 before_skip()
             skip_step(engine)
-            engine._global_grad_norm = float("inf")
+            ds.set_global_grad_norm(engine, float("inf"))
             return False
         with held_counters(engine):
-            engine._exec_optimizer_step()  # the wrapper checks its (stage-local) norm and skips on overflow
-        applied = not bool(getattr(opt, "overflow", False))
+            ds.exec_optimizer_step(engine)  # the wrapper checks its (stage-local) norm and skips on overflow
+        applied = not ds.overflow(opt)
         if not applied and before_skip is not None:
             before_skip()
         return applied
     norm = stage_grad_norm(engine.module.parameters())
     value = float(norm)
-    engine._paci_grad_norm = value
     if not math.isfinite(value):
         if before_skip is not None:
             before_skip()
         skip_step(engine)
-        engine._global_grad_norm = value
+        ds.set_global_grad_norm(engine, value)
         return False
-    with held_counters(engine):
-        engine._exec_optimizer_step()  # clip_fp32_gradients() reads engine._paci_grad_norm
-    engine._global_grad_norm = value
+    clip = engine.gradient_clipping()
+    if clip > 0:
+        clip_by_norm(engine.module.parameters(), clip, value)  # by the stage's own norm, DeepSpeed's formula
+    with held_counters(engine), held_clipping(engine):
+        ds.exec_optimizer_step(engine)  # DeepSpeed's step, without its clip over the whole pipeline
+    ds.set_global_grad_norm(engine, value)
     return True

@@ -82,6 +82,7 @@ one window in ``ERROR_EVERY`` (8), on every ``ERROR_STRIDE``-th element of the m
 import math
 import time
 from contextlib import contextmanager
+from typing import NamedTuple, Optional
 
 import torch
 from deepspeed.utils import logger
@@ -116,6 +117,18 @@ def _flat(tensor):
     return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
 
 
+class _Chunk(NamedTuple):
+    """One chunk of a slot's master: where it sits (``offset`` in the slot) and its matching pieces of the window
+    gradient, of each optimizer state the rule reads, and of the weights the forward reads (``target``)."""
+
+    slot: object
+    offset: int
+    theta: torch.Tensor
+    grad: Optional[torch.Tensor]
+    states: tuple
+    target: Optional[torch.Tensor]
+
+
 class _Batch:
     """Chunks of one param group with one state layout: what one round of the rule's multi-tensor ops predicts."""
 
@@ -124,15 +137,16 @@ class _Batch:
     def __init__(self, rule, key, chunks):
         self.rule, self.key = rule, key
         self.scale = 1.0  # the factor on ``grads``: ``coef * a / n`` (see LookAhead._plan)
-        columns = list(zip(*chunks))
-        self.slots, self.offsets, self.thetas = list(columns[0]), list(columns[1]), list(columns[2])
+        self.slots = [c.slot for c in chunks]
+        self.offsets = [c.offset for c in chunks]
+        self.thetas = [c.theta for c in chunks]
 
-        def column(i):
-            return None if columns[i][0] is None else list(columns[i])
+        def column(values):
+            return None if values[0] is None else list(values)
 
-        self.grads = column(3)
-        self.states = tuple(column(i) for i in range(4, len(columns) - 1))
-        self.targets = column(len(columns) - 1)
+        self.grads = column([c.grad for c in chunks])
+        self.states = tuple(column([c.states[i] for c in chunks]) for i in range(len(chunks[0].states)))
+        self.targets = column([c.target for c in chunks])
 
 
 def _write(thetas, decay, alpha, us):
@@ -298,11 +312,13 @@ class LookAhead:
             split = _chunks if rule.chunked else (lambda x: [x])
             thetas = split(slot.master)
             none = [None] * len(thetas)
-            parts = [none if x is None else split(x) for x in (grad, *states, slot.target)]
+            grad_parts, target_parts = (none if x is None else split(x) for x in (grad, slot.target))
+            state_parts = [none if x is None else split(x) for x in states]
             chunks = groups.setdefault((rk, key, slot.target is None), (rule, key, []))[2]
             offset = 0
-            for theta, *rest in zip(thetas, *parts):
-                chunks.append((slot, offset, theta, *rest))
+            for n, theta in enumerate(thetas):
+                chunks.append(_Chunk(slot, offset, theta, grad_parts[n], tuple(p[n] for p in state_parts),
+                                     target_parts[n]))
                 offset += theta.numel()
         if grads and not math.isfinite(_norm_of(grads)):
             return None, False
@@ -311,10 +327,10 @@ class LookAhead:
         for rule, key, chunks in groups.values():
             start, size = 0, 0
             for i, chunk in enumerate(chunks):
-                if i > start and size + chunk[2].numel() > BATCH:
+                if i > start and size + chunk.theta.numel() > BATCH:
                     batches.append(_Batch(rule, key, chunks[start:i]))
                     start, size = i, 0
-                size += chunk[2].numel()
+                size += chunk.theta.numel()
             if chunks:
                 batches.append(_Batch(rule, key, chunks[start:]))
         for batch in batches:
@@ -438,22 +454,22 @@ def lookahead_for_torch_optimizer(optimizer, aliases, restore="copy", max_norm=0
     return LookAhead(slots, restore, "torch", clip)
 
 
-def _exact_restore(engine, restore, kind):
+def _exact_restore(ctx, restore, kind):
     """``"copy"`` where copies must stay bit-identical (data-parallel replicas, tied owners); else ``restore``."""
     if restore != "recompute" or kind != "torch":
         return restore
-    tied = getattr(engine, "_tied", None)
-    replicas = engine.dp_world_size > 1
+    tied = ctx.tied
+    replicas = ctx.dp_world_size > 1
     owner = tied is not None and bool(tied.exchanges)
-    if (replicas or owner) and engine.global_rank == 0:
+    if (replicas or owner) and ctx.global_rank == 0:
         logger.info(f"ds_paci: \"lookahead_restore\": \"recompute\" is exact only up to rounding; stages with "
-                    f"data-parallel replicas (here {engine.dp_world_size}) or tied copies on several stages restore by "
+                    f"data-parallel replicas (here {ctx.dp_world_size}) or tied copies on several stages restore by "
                     "\"copy\" instead, so that their copies stay bit-identical")
     return "copy" if replicas or owner else restore
 
 
-def make_lookahead(engine, enabled, restore="copy"):
-    """A :class:`LookAhead` for ``engine``'s stage, or ``None`` (disabled, or an optimizer we cannot predict).
+def make_lookahead(ctx, enabled, restore="copy"):
+    """A :class:`LookAhead` for the stage of ``ctx`` (a :class:`~ds_paci.core.stage_context.StageContext`), or ``None`` (disabled, or an optimizer we cannot predict).
 
     When the optimizer is not predicted, one line (from rank 0) names the reason and the
     fallback, and training continues without look-ahead.
@@ -462,10 +478,10 @@ def make_lookahead(engine, enabled, restore="copy"):
         return None
     if restore not in RESTORE_MODES:
         raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
-    slots, kind, clip, reason = engine_slots(engine)
+    slots, kind, clip, reason = engine_slots(ctx)
     if reason is not None:
-        if engine.global_rank == 0:
-            logger.warning(f"ds_paci: stage {engine.stage_id}: look-ahead off: {reason}; {FALLBACK} (set \"paci\": "
+        if ctx.global_rank == 0:
+            logger.warning(f"ds_paci: stage {ctx.stage_id}: look-ahead off: {reason}; {FALLBACK} (set \"paci\": "
                            "{\"lookahead\": false} to silence this line)")
         return None
-    return LookAhead(slots, _exact_restore(engine, restore, kind), kind, clip)
+    return LookAhead(slots, _exact_restore(ctx, restore, kind), kind, clip)

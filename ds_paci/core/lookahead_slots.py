@@ -35,6 +35,7 @@ from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 from . import compat
+from . import deepspeed_internals as ds
 from .local_step import stage_grad_norm
 from .lookahead_rules import rule_reader
 
@@ -109,7 +110,7 @@ def _elementwise_problem(inner, reader):
 
 
 def _not_replicated(param):
-    return not getattr(param, "ds_pipe_replicated", False)
+    return not ds.pipe_replicated(param)
 
 
 def _bf16_slots(opt, reader):
@@ -117,30 +118,30 @@ def _bf16_slots(opt, reader):
     inner = opt.optimizer
     slots = []
     for i, group in enumerate(inner.param_groups):
-        pid = dist.get_rank(group=opt.real_dp_process_group[i])
-        grad = opt.fp32_groups_gradient_flat_partition[i]
-        slots.append(Slot(opt.fp32_groups_flat_partition[i], inner, group, reader, grad=lambda g=grad: g,
-                          target=opt.bf16_partitioned_groups[i][pid], zero_filled=True))
+        pid = dist.get_rank(group=ds.real_dp_process_group(opt, i))
+        grad = ds.fp32_gradient_flat_partitions(opt)[i]
+        slots.append(Slot(ds.fp32_flat_partitions(opt)[i], inner, group, reader, grad=lambda g=grad: g,
+                          target=ds.bf16_partitioned_groups(opt)[i][pid], zero_filled=True))
 
     def norm():  # the full local gradients (every partition), as the wrapper's norm counts them
-        return _norm_of(g for lps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients)
+        return _norm_of(g for lps, gs in zip(ds.bf16_groups(opt), ds.fp32_gradients(opt))
                         for lp, g in zip(lps, gs) if _not_replicated(lp))
 
-    return slots, ClipSource(lambda: float(opt.clip_grad), norm)
+    return slots, ClipSource(lambda: float(ds.clip_grad(opt)), norm)
 
 
 def _zero_partition_grad(opt, i, partition):
     """This rank's partition of group ``i``'s flat gradient, assembled from the local (unreduced) parameter grads."""
-    flat = opt.bit16_groups_flat[i]
+    flat = ds.bit16_groups_flat(opt)[i]
     start = partition.storage_offset() - flat.storage_offset()
     size = partition.numel()
     out = None
-    for param, meta, offset in zip(opt.round_robin_bit16_groups[i], opt.round_robin_bit16_meta[i],
-                                   opt.round_robin_bit16_offsets[i]):
+    params, metas, offsets = ds.round_robin_groups(opt)
+    for param, meta, offset in zip(params[i], metas[i], offsets[i]):
         lo, hi = max(offset, start), min(offset + meta.numel(), start + size)
         if lo >= hi:
             continue
-        grad = opt.get_gradient_for_reduction(param)
+        grad = ds.gradient_for_reduction(opt, param)
         if grad is None:
             continue
         if out is None:
@@ -152,9 +153,9 @@ def _zero_partition_grad(opt, i, partition):
 
 def _zero_slots(opt, reader):
     """ZeRO stage 1: this rank's fp32 master partition, its optimizer state, its slice of the flat weights."""
-    if getattr(opt, "cpu_offload", False):
+    if ds.zero_cpu_offload(opt):
         return None, None, "ZeRO with CPU offload (the optimizer state lives with DeepSpeedCPUAdam)"
-    if getattr(opt, "partition_gradients", False):
+    if ds.zero_partitions_gradients(opt):
         return None, None, "ZeRO stage 2 or above"
     problem = compat.zero_lookahead_problem(opt)
     if problem:
@@ -162,17 +163,17 @@ def _zero_slots(opt, reader):
     inner = opt.optimizer
     slots = []
     for i, group in enumerate(inner.param_groups):
-        pid = dist.get_rank(group=opt.real_dp_process_group[i])
-        partition = opt.parallel_partitioned_bit16_groups[i][pid]
-        slots.append(Slot(opt.single_partition_of_fp32_groups[i], inner, group, reader,
+        pid = dist.get_rank(group=ds.real_dp_process_group(opt, i))
+        partition = ds.partitioned_bit16_groups(opt)[i][pid]
+        slots.append(Slot(ds.fp32_partitions(opt)[i], inner, group, reader,
                           grad=lambda i=i, part=partition: _zero_partition_grad(opt, i, part), target=partition,
                           zero_filled=True))
 
     def norm():
-        return _norm_of(opt.get_gradient_for_reduction(p) for group in opt.round_robin_bit16_groups for p in group
+        return _norm_of(ds.gradient_for_reduction(opt, p) for group in ds.round_robin_params(opt) for p in group
                         if _not_replicated(p))
 
-    return slots, ClipSource(lambda: float(opt.clip_grad), norm), None
+    return slots, ClipSource(lambda: float(ds.clip_grad(opt)), norm), None
 
 
 def inner_optimizer(opt):
@@ -182,9 +183,9 @@ def inner_optimizer(opt):
     return opt
 
 
-def engine_slots(engine):
-    """``(slots, kind, clip, None)`` for the engine's optimizer, or ``(None, None, None, reason)``."""
-    opt = engine.optimizer
+def engine_slots(ctx):
+    """``(slots, kind, clip, None)`` for the stage's optimizer (``ctx``: a :class:`~ds_paci.core.stage_context.StageContext`), or ``(None, None, None, reason)``."""
+    opt = ctx.optimizer
     inner = inner_optimizer(opt)
     reader, reason = rule_reader(inner)
     if reader is None:
@@ -198,13 +199,13 @@ def engine_slots(engine):
             return slots, "bf16", clip, None
         slots, clip, reason = _zero_slots(opt, reader)
         return slots, "zero1", clip, reason
-    if getattr(engine, "_aliases", None) is None:
+    if ctx.aliases is None:
         return None, None, None, f"optimizer wrapper {type(opt).__name__} is not supported"
     # DeepSpeed's reduce (every local step) gives each trainable parameter without a gradient a zero one
-    zero = getattr(engine, "pipeline_enable_backward_allreduce", True)
-    slots, reason = torch_slots(opt, engine._aliases, lambda p: zero and p.requires_grad and p.numel() > 0)
+    zero = ds.zero_fills_missing_gradients(ctx.engine)
+    slots, reason = torch_slots(opt, ctx.aliases, lambda p: zero and p.requires_grad and p.numel() > 0)
     if slots is None:
         return None, None, None, reason
-    clip = ClipSource(lambda: float(engine.gradient_clipping()),
-                      lambda: float(stage_grad_norm(engine.module.parameters())))
+    clip = ClipSource(lambda: float(ctx.gradient_clipping()),
+                      lambda: float(stage_grad_norm(ctx.module.parameters())))
     return slots, "torch", clip, None

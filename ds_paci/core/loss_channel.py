@@ -60,7 +60,8 @@ def pipeline_groups(grid):
     Returns ``(None, ranks)`` for a single-stage pipeline (nothing to send).
     """
     mine, own = None, None
-    for ranks in grid.pipe_groups:
+    from . import deepspeed_internals  # imports DeepSpeed: not at module level (this module needs torch only)
+    for ranks in deepspeed_internals.pipe_groups(grid):
         ranks = list(ranks)
         if len(ranks) < 2:
             continue

@@ -61,14 +61,14 @@ point-to-point transfers of stages that step at different ticks). The policy her
   tied parameter at different offsets, so there the tied gradients (and the finite flag) are
   averaged over the stage's data-parallel group here first (an extra within-stage all-reduce of the
   tied parameters only); ZeRO's own reduce then carries zeros for them.
-* **Drain.** Each owner's last local step of a segment runs after the drain's last tick (nothing
-  on that stage reads the weights in between): there every owner posts its last window, waits for
+* **Drain.** Each owner's last local step of a segment runs after the drain's last tick (the pass
+  :func:`~ds_paci.core.passes.defer_tied_last_step` puts it there; nothing on that stage reads the weights in between): there every owner posts its last window, waits for
   the peers' (all owners have posted by then). What it applies depends on the drain:
 
   - A drain that **closes** the accumulation window (``drain()``: the end of training, a change of
     the batch size) applies the totals of every window not yet applied (each with its own verdict
     and factor), summed in window order, and waits on every send: nothing stays pending.
-  - A drain that **carries** the window (evaluation, checkpoints; ``begin_drain(..., carry=True)``)
+  - A drain that **carries** the window (evaluation, checkpoints; ``drain(close_window=False)``)
     applies only what a normal step applies: the last ``L`` windows stay pending into the next
     segment, so the tied weights see the same windows at the same steps however often the run is
     drained (and ``L + 1`` sends per peer stays the bound). The step is deferred there only when it
@@ -102,9 +102,10 @@ from collections import deque
 import torch
 import torch.distributed as tdist
 
-from deepspeed.runtime.pipe.schedule import BackwardPass
-
-from .schedule import LocalStep
+from . import deepspeed_internals as ds
+from .program import Kind
+from .tied_layout import tied_arrangement_problem, tied_owner_stages, zero_offload_device  # noqa: F401 (public)
+from .tied_transport import Exchange, Received, post_ordered, posting_order  # noqa: F401 (public)
 from .tied_optimizer import TiedOptimizer
 from .tied_timing import tied_lag
 
@@ -118,112 +119,33 @@ class TiedCopiesDiverged(RuntimeError):
     """The copies of a tied parameter differ between owning stages (raised by the copy check)."""
 
 
-class Received:
-    """A receive that has completed (waited for at a drain, or a pending window restored from a checkpoint)."""
-
-    def wait(self):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-def tied_owner_stages(module):
-    """``{key: sorted owner stages}`` for the ``TiedLayerSpec`` keys of ``module`` used on two or more stages.
-
-    Reads only the layer specs and the partition, so every rank computes the same answer.
-    """
-    from deepspeed.runtime.pipe.module import TiedLayerSpec
-    parts = module.parts
-    stages_of = {}
-    for idx, spec in enumerate(module._layer_specs):
-        if isinstance(spec, TiedLayerSpec):
-            stage = next(s for s in range(module.num_stages) if parts[s] <= idx < parts[s + 1])
-            stages_of.setdefault(spec.key, set()).add(stage)
-    return {key: sorted(st) for key, st in sorted(stages_of.items()) if len(st) > 1}
-
-
-def zero_offload_device(ds_config):
-    """The device ZeRO offloads its optimizer to under ``ds_config`` (``"cpu"``, ``"nvme"``), or ``None``."""
-    device = ((ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device")
-    return None if device is None or str(device).lower() in ("none", "null") else str(device)
-
-
-def tied_arrangement_problem(ds_config, model):
-    """One line naming a tied arrangement PACI cannot keep identical, or ``None`` (same on every rank)."""
-    owners = tied_owner_stages(model)
-    if not owners:
-        return None
-    offload = zero_offload_device(ds_config)
-    if offload is not None:
-        return (f'"zero_optimization.offload_optimizer.device" = "{offload}" with tied layers {sorted(owners)} on '
-                f"stages {sorted({s for st in owners.values() for s in st})}: ZeRO's offloaded optimizer keeps the "
-                "gradients where PACI's tied exchange cannot reach them; remove the offload or untie the layers")
-    return None
-
-
-def posting_order(me, peers):
-    """``[(op, peer)]`` in the order rank ``me`` issues one window's transfers: peers by ascending rank, with
-    each the lower rank ``"send"`` first, the higher ``"recv"`` first (see the module docstring)."""
-    out = []
-    for r in sorted(peers):
-        out += [("send", r), ("recv", r)] if me < r else [("recv", r), ("send", r)]
-    return out
-
-
-def _post_ordered(me, peers, payload, buffers, group, tag):
-    """Issue the transfers of one message to every peer in :func:`posting_order`; ``{peer: (send, recv)}``."""
-    works = {}
-    for op, r in posting_order(me, peers):
-        send, recv = works.get(r, (None, None))
-        if op == "send":
-            send = tdist.isend(payload, dst=r, group=group, tag=tag)
-        else:
-            recv = tdist.irecv(buffers[r], src=r, group=group, tag=tag)
-        works[r] = (send, recv)
-    return works
-
-
-class _Exchange:
-    """The tied parameters this rank shares with one set of owner ranks, and the windows in flight."""
-
-    def __init__(self, ranks, stages, group, keys, params, me):
-        self.ranks = ranks  # global ranks of the owners, in stage order
-        self.stages = stages
-        self.group = group
-        self.keys = keys
-        self.params = params
-        self.peers = sorted(r for r in ranks if r != me)
-        self.numel = sum(p.numel() for p in params)
-        self.device = params[0].device
-        self.pending = {}  # version -> {"own": message, "recv": {rank: (work, message)}}
-        self.sends = {r: deque() for r in self.peers}  # (version, work, message), oldest first
-
-
 class TiedWeights:
     """Engine side of the tied-weight policy for one rank (see the module docstring).
 
     Built by :meth:`create` in the engine's constructor on every rank (it creates process groups).
-    Hooks: :meth:`reduce_grads` replaces the engine's data-parallel reduce in a local step and
-    :meth:`step` its optimizer part on an owner; :meth:`begin_drain` / :meth:`defer` /
-    :meth:`end_drain` move an owner's last step of a segment after the drain; :meth:`verify`
-    compares the copies; :meth:`stats` for ``paci_stats()``.
+    Hooks: :meth:`expect` takes the program's ``TPOST``/``TAPPLY`` actions before a step
+    (:func:`ds_paci.core.passes.add_tied_exchange` places them, the owner's last step of a drain
+    already moved after it by :func:`~ds_paci.core.passes.defer_tied_last_step`);
+    :meth:`reduce_grads` replaces the engine's data-parallel reduce in a local step and runs what they
+    say; :meth:`step` its optimizer part on an owner; :meth:`finish_drain` after a drain's program;
+    :meth:`pending_windows` for the next call's pass; :meth:`verify` compares the copies;
+    :meth:`stats` for ``paci_stats()``.
     """
 
     @classmethod
-    def create(cls, engine):
+    def create(cls, ctx):
         """``None`` when no tied key spans two stages (the same answer on every rank)."""
-        owners = tied_owner_stages(engine.module)
+        owners = tied_owner_stages(ctx.module)
         if not owners:
             return None
-        return cls(engine, owners)
+        return cls(ctx, owners)
 
-    def __init__(self, engine, owners):
-        self.engine = engine
+    def __init__(self, ctx, owners):
+        self.ctx = ctx
         self.owners = owners
-        self.check = engine.paci.check_tied_copies
-        module, grid = engine.module, engine.grid
-        rank = engine.global_rank
+        self.check = ctx.paci.check_tied_copies
+        module, grid = ctx.module, ctx.grid
+        rank = ctx.global_rank
         tp = grid.get_slice_parallel_world_size()
         groups = {}
         mine = {}
@@ -240,24 +162,22 @@ class TiedWeights:
         self.exchanges = []
         for ranks, (stages, keys) in mine.items():
             params = [
-                functools.reduce(getattr, attr.split("."), module.tied_modules[key]) for key in keys
-                for attr in module.tied_weight_attrs[key]
+                functools.reduce(getattr, attr.split("."), ds.tied_modules(module)[key]) for key in keys
+                for attr in ds.tied_weight_attrs(module)[key]
             ]
-            self.exchanges.append(_Exchange(ranks, stages, groups[ranks], keys, params, rank))
-        self.optimizer = TiedOptimizer(engine, [p for ex in self.exchanges for p in ex.params])
-        if not engine._stock_step:
+            self.exchanges.append(Exchange(ranks, stages, groups[ranks], keys, params, rank))
+        self.optimizer = TiedOptimizer(ctx, [p for ex in self.exchanges for p in ex.params])
+        if not ctx.stock_step:
             # DeepSpeed marks the later owners' tied modules (all their parameters, tied or not) as replicated so
             # that its global norm counts them once. Async norms are stage-local and see zeros for the tied
             # weights (TiedOptimizer.clear): a later owner must count its own non-tied parameters too.
             for p in module.parameters():
-                if getattr(p, "ds_pipe_replicated", False):
-                    p.ds_pipe_replicated = False
+                if ds.pipe_replicated(p):
+                    ds.set_pipe_replicated(p, False)
         self.mode = self.optimizer.mode
         self._totals = None  # {id(param): total or None}, from reduce_grads for step
-        self._final = None  # version of the segment's last step, when deferred (set by begin_drain)
-        self._carry = False  # the current drain carries pending windows into the next segment
+        self._plan = {}  # the program's TPOST/TAPPLY facts for the next step (set by expect)
         self._last_lag = None  # the lag of the previous step (set_train_batch_size may change it)
-        self._deferred = None
         self.windows_exchanged = 0
         self.skipped_windows = 0
         self.clipped_windows = 0
@@ -271,19 +191,19 @@ class TiedWeights:
     @property
     def lag(self):
         """``L`` for the current window (``set_train_batch_size`` may change a defaulted window; it drains first)."""
-        window = self.engine.accumulation_window
-        return max(tied_lag(self.engine.num_stages, stages, window) for stages in self.owners.values())
+        window = self.ctx.accumulation_window
+        return max(tied_lag(self.ctx.num_stages, stages, window) for stages in self.owners.values())
 
     # -- the exchange ----------------------------------------------------------------------
     def _message(self, ex, stage_finite):
         """This owner's window message: its tied gradient (DP-averaged under ZeRO) and its finite flag."""
         own = self.optimizer.read(ex.params)
-        engine = self.engine
+        ctx = self.ctx
         if self.mode == "zero":
             own = torch.cat([own, own.new_tensor([0.0 if stage_finite else 1.0])])
-            if engine.dp_world_size > 1:  # the flag rides along: any replica's non-finite gradient counts
-                tdist.all_reduce(own, group=engine.grid.get_data_parallel_group())
-                own.div_(engine.dp_world_size)
+            if ctx.dp_world_size > 1:  # the flag rides along: any replica's non-finite gradient counts
+                tdist.all_reduce(own, group=ctx.grid.get_data_parallel_group())
+                own.div_(ctx.dp_world_size)
             stage_finite = bool(own[-1] == 0)
             own = own[:-1]
         finite = stage_finite and bool(torch.isfinite(own).all())
@@ -291,7 +211,7 @@ class TiedWeights:
 
     def _post(self, ex, version, message):
         buffers = {r: torch.empty_like(message) for r in ex.peers}
-        works = _post_ordered(self.engine.global_rank, ex.peers, message, buffers, ex.group, version)
+        works = post_ordered(self.ctx.global_rank, ex.peers, message, buffers, ex.group, version)
         for r, (send, recv) in works.items():
             ex.sends[r].append((version, send, message))
         self.max_pending_sends = max([self.max_pending_sends] + [len(q) for q in ex.sends.values()])
@@ -299,7 +219,7 @@ class TiedWeights:
         self.max_pending_receives = max(self.max_pending_receives, self._pending_receives())
 
     def _wait(self, work, what, in_drain):
-        watchdog = self.engine._watchdog
+        watchdog = self.ctx.watchdog
         watchdog.note(what)
         start = time.perf_counter()
         work.wait()
@@ -316,7 +236,7 @@ class TiedWeights:
         entry = ex.pending.pop(version)
         total, finite = None, True
         for r, stage in zip(ex.ranks, ex.stages):
-            if r == self.engine.global_rank:
+            if r == self.ctx.global_rank:
                 message = entry["own"]
             else:
                 work, message = entry["recv"][r]
@@ -328,7 +248,7 @@ class TiedWeights:
         if not (finite and bool(torch.isfinite(total).all())):
             self.skipped_windows += 1
             return None
-        clip = self.engine.gradient_clipping()
+        clip = self.ctx.gradient_clipping()
         if clip > 0:
             coef = float(clip) / (float(torch.linalg.vector_norm(total)) + 1e-6)
             if coef < 1.0:
@@ -344,10 +264,15 @@ class TiedWeights:
                 self._wait(work, f"waiting for rank {r} to take this rank's tied gradients of weight version {v} "
                            f"(keys {ex.keys})", in_drain=in_drain)
 
-    def _due_total(self, ex, version, final, in_drain):
-        """The total this step applies for ``ex`` (zeros when nothing is due yet), or ``None`` when skipped."""
+    def _due_total(self, ex, version, final, in_drain, planned):
+        """The total this step applies for ``ex`` (zeros when nothing is due yet), or ``None`` when skipped.
+
+        ``planned``: the windows the program's ``TAPPLY`` names; this rank's own pending windows must agree."""
         lag = self.lag
         due = sorted(ex.pending) if final else [v for v in sorted(ex.pending) if v <= version - lag]
+        if tuple(due) != tuple(planned):
+            raise RuntimeError(f"tied exchange out of step: the program applies windows {list(planned)} at version "
+                               f"{version}, this rank has {due} due (pending {sorted(ex.pending)})")
         # one window per step (all at a closing drain); after the lag shrank (set_train_batch_size, through a
         # closing drain with no step of its own) the first step catches up on the windows the old lag held back
         extra = max(0, (self._last_lag or lag) - lag)
@@ -363,13 +288,24 @@ class TiedWeights:
         return applied
 
     # -- hooks -------------------------------------------------------------------------------
+    def expect(self, action):
+        """Take a ``TPOST``/``TAPPLY`` action of the program: what the next local step posts and applies."""
+        if action.kind is Kind.TIED_POST:
+            self._plan = {"post": action.version, "apply": (), "all": False, "in_drain": action.in_drain}
+        else:
+            self._plan.update(apply=action.windows, all=action.apply_all)
+
     def reduce_grads(self, version):
         """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
-        engine = self.engine
-        deferred = version == self._final
-        final = deferred and not self._carry  # the step that applies every window not yet applied
+        ctx = self.ctx
+        plan, self._plan = self._plan, {}
+        if self.exchanges and plan.get("post") != version:
+            raise RuntimeError(f"tied exchange out of step: local step {version} without its TPOST{version} "
+                               f"(the program posts {plan.get('post')})")
+        deferred = plan.get("in_drain", False)  # the last step of a drain, after every owner has posted
+        final = plan.get("all", False)  # the step that applies every window not yet applied
         if self.mode != "zero" or not self.exchanges:
-            engine._exec_reduce_grads()
+            ds.exec_reduce_grads(ctx.engine)
         if not self.exchanges:
             return
         stage_finite = self.optimizer.stage_gradient_finite()
@@ -377,14 +313,14 @@ class TiedWeights:
         for ex in self.exchanges:
             self._post(ex, version, self._message(ex, stage_finite))
             self.optimizer.clear(ex.params)
-            total = self._due_total(ex, version, final, deferred)
+            total = self._due_total(ex, version, final, deferred, plan["apply"])
             offset = 0
             for p in ex.params:
                 self._totals[id(p)] = None if total is None else total[offset:offset + p.numel()]
                 offset += p.numel()
             self._reap_sends(ex, version, final, deferred)
         if self.mode == "zero":
-            engine._exec_reduce_grads()
+            ds.exec_reduce_grads(ctx.engine)
         self._last_lag = self.lag
 
     def step(self):
@@ -392,45 +328,21 @@ class TiedWeights:
         totals, self._totals = self._totals, None
         stage_applied, tied_applied = self.optimizer.step(totals)
         applied = stage_applied and tied_applied
-        self.engine._step_applied = applied
+        ds.set_step_applied(self.ctx.engine, applied)
         return applied
 
-    def begin_drain(self, ticks, carry=False):
-        """Called with the drain's ticks before they run: the segment's last step will be deferred.
+    def pending_windows(self):
+        """The windows posted and not yet applied (the same on every exchange): the next call's pass starts there."""
+        return sorted(self.exchanges[0].pending) if self.exchanges else []
 
-        ``carry``: the drain leaves the accumulation window open and the exchange keeps its last ``L`` windows
-        pending; the last step is then deferred only if no backward pass follows it (see the module docstring).
+    def finish_drain(self, carry, stepped):
+        """After a drain's program: settle what stays pending, or check nothing does; then compare the copies.
+
+        ``carry``: the drain left the window open (pending windows stay for the next segment); ``stepped``: the
+        owner's last step of the drain ran after it (``in_drain``) and applied every pending window.
         """
-        self._carry = carry
-        self._final = None
-        if not self.exchanges:
-            return
-        last, after = None, False
-        for tick in ticks:
-            for i in tick:
-                if isinstance(i, LocalStep):
-                    last, after = i.version, False
-                elif isinstance(i, BackwardPass):
-                    after = True
-        if last is not None and not (carry and after):
-            self._final = last
-
-    def defer(self, cmd):
-        """True when ``cmd`` is this owner's last step of the segment: it runs in :meth:`end_drain` instead."""
-        if self._final is not None and cmd.version == self._final:
-            self._deferred = cmd
-            return True
-        return False
-
-    def end_drain(self, run_step, tick):
-        """After the drain's last tick: run the deferred step (every owner posts, then waits), then check."""
-        cmd, self._deferred = self._deferred, None
-        watchdog = self.engine._watchdog
         try:
-            if cmd is not None:
-                watchdog.enter(cmd, tick)
-                run_step(cmd)
-            if self._carry or cmd is None:  # nothing to apply them with: they stay pending for the next step
+            if carry or not stepped:  # nothing to apply them with: they stay pending for the next step
                 self._settle()
             else:
                 leftover = [v for ex in self.exchanges for v in ex.pending]
@@ -439,15 +351,13 @@ class TiedWeights:
             if self.check:
                 self.verify("after a drain")
         finally:
-            watchdog.idle()
-            self._final = None
-            self._carry = False
+            self._plan = {}
 
     def _settle(self):
         """At the end of a drain that leaves windows pending: wait for their receives (every owner posted them
         before the drain's end) and on every send, so nothing is in flight across the drain."""
-        watchdog = self.engine._watchdog
-        watchdog.enter("the tied exchange at the end of a drain", self.engine._stream.ticks_emitted)
+        watchdog = self.ctx.watchdog
+        watchdog.enter("the tied exchange at the end of a drain", self.ctx.ticks_emitted())
         for ex in self.exchanges:
             for version, entry in sorted(ex.pending.items()):
                 for r, (work, message) in list(entry["recv"].items()):
@@ -488,26 +398,26 @@ class TiedWeights:
     def verify(self, when):
         """Compare digests of the copies with every peer owner (point to point); raise if any differs."""
         snap = self.snapshot()
-        me = self.engine.global_rank
+        me = self.ctx.global_rank
         for ex in self.exchanges:
             prefix = f"{'+'.join(ex.keys)}."
             weights = _digest({k: v for k, v in snap.items() if k.startswith(prefix) and k.endswith(".weight")})
             state = _digest({k: v for k, v in snap.items() if k.startswith(prefix) and not k.endswith(".weight")})
             mine = torch.tensor(weights + state, dtype=torch.int64, device=ex.device)
             theirs = {r: torch.empty_like(mine) for r in ex.peers}
-            works = _post_ordered(me, ex.peers, mine, theirs, ex.group, _VERIFY_TAG)
-            self.engine._watchdog.note(f"comparing the tied copies {ex.keys} with ranks {list(ex.ranks)}")
+            works = post_ordered(me, ex.peers, mine, theirs, ex.group, _VERIFY_TAG)
+            self.ctx.watchdog.note(f"comparing the tied copies {ex.keys} with ranks {list(ex.ranks)}")
             for send, recv in works.values():
                 recv.wait()
                 send.wait()
-            self.engine._watchdog.note(None)
+            self.ctx.watchdog.note(None)
             for r, other in theirs.items():
                 what = [name for name, sl in (("weights", slice(0, 4)), ("optimizer state", slice(4, 8)))
                         if not torch.equal(mine[sl], other[sl])]
                 if what:
                     stage = ex.stages[ex.ranks.index(r)]
                     raise TiedCopiesDiverged(
-                        f"{self.engine._describe_rank()}: the copies of tied layers {ex.keys} differ from rank {r} "
+                        f"{self.ctx.describe_rank()}: the copies of tied layers {ex.keys} differ from rank {r} "
                         f"(stage {stage}) {when}: {' and '.join(what)} are not bit-identical")
         self.checks += 1
 

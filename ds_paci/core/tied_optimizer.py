@@ -37,6 +37,7 @@ state, on that local step only.
 
 import torch
 
+from . import deepspeed_internals as ds
 from .local_step import guarded_step
 
 __all__ = ["TiedOptimizer"]
@@ -92,27 +93,27 @@ class TiedOptimizer:
     ``params``: this rank's tied parameters (every exchange's, in order).
     """
 
-    def __init__(self, engine, params):
+    def __init__(self, ctx, params):
         from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-        self.engine = engine
+        self.ctx = ctx
         self.params = list(params)
         self._tied = {id(p) for p in self.params}
-        opt = engine.optimizer
+        opt = ctx.optimizer
         if isinstance(opt, BF16_Optimizer):
             self.mode, self.inner = "bf16", opt.optimizer
-            self._grad_slot = {id(p): (i, j) for i, group in enumerate(opt.bf16_groups) for j, p in enumerate(group)}
-            self.slots = self._flat_slots(opt.bf16_groups, opt.fp32_groups_flat_partition)
+            self._grad_slot = {id(p): (i, j) for i, group in enumerate(ds.bf16_groups(opt)) for j, p in enumerate(group)}
+            self.slots = self._flat_slots(ds.bf16_groups(opt), ds.fp32_flat_partitions(opt))
         elif isinstance(opt, DeepSpeedZeroOptimizer):
-            if getattr(opt, "use_grad_accum_attribute", False):
+            if ds.use_grad_accum_attribute(opt):
                 raise TypeError("tied layers across stages are not supported with DeepSpeed's ZeRO optimizer keeping "
                                 "gradients in a separate accumulation attribute (e.g. CPU offload); use ZeRO stage 0/1 "
                                 "without offload, or untie the layers")
             self.mode, self.inner = "zero", opt.optimizer
-            self.slots = self._flat_slots(opt.bit16_groups, opt.single_partition_of_fp32_groups)
+            self.slots = self._flat_slots(ds.bit16_groups(opt), ds.fp32_partitions(opt))
         else:
             self.mode, self.inner = "fp32", opt
-            alias = {id(p): a for p, a in engine._aliases.pairs} if engine._aliases is not None else {}
+            alias = {id(p): a for p, a in ctx.aliases.pairs} if ctx.aliases is not None else {}
             self.slots = [_Slot(p, alias.get(id(p), p), 0, p.numel(), 0) for p in self.params]
         self.fault_steps = 0
 
@@ -120,15 +121,15 @@ class TiedOptimizer:
         """The tied fragments in this replica's flat fp32 partitions (none for a parameter outside its partition)."""
         slots = []
         for p in self.params:
-            mapping = getattr(p, "_hp_mapping", None)
-            if mapping is None:
+            fragment = ds.hp_fragment(p)
+            if fragment is None:
                 continue
             group = next(i for i, g in enumerate(lp_groups) if any(q is p for q in g))
             q = partitions[group]
-            hp, lp = mapping.hp_fragment_address, mapping.lp_fragment_address
-            slot = _Slot(p, q, hp.start, hp.numel, lp.start)
-            if slot.view(q).data_ptr() != mapping.hp_fragment.data_ptr():
-                raise RuntimeError(f"ds_paci: this DeepSpeed lays out {type(self.engine.optimizer).__name__}'s fp32 "
+            hp_start, numel, lp_start, hp_view = fragment
+            slot = _Slot(p, q, hp_start, numel, lp_start)
+            if slot.view(q).data_ptr() != hp_view.data_ptr():
+                raise RuntimeError(f"ds_paci: this DeepSpeed lays out {type(self.ctx.optimizer).__name__}'s fp32 "
                                    "partitions differently than expected (tied fragment not found); untie the layers")
             slots.append(slot)
         return slots
@@ -138,7 +139,7 @@ class TiedOptimizer:
         """The gradient of tied ``p`` the optimizer would step on (fp32 ``_hp_grad`` under BF16, else ``p.grad``)."""
         if self.mode == "bf16":
             i, j = self._grad_slot[id(p)]
-            return self.engine.optimizer.fp32_groups_gradients[i][j]
+            return ds.fp32_gradients(self.ctx.optimizer)[i][j]
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         return p.grad
@@ -153,17 +154,18 @@ class TiedOptimizer:
             self.grad(p).detach().zero_()
             if self.mode == "bf16":
                 i, j = self._grad_slot[id(p)]
-                self.engine.optimizer.fp32_groups_has_gradients[i][j] = True
+                ds.fp32_has_gradients(self.ctx.optimizer)[i][j] = True
 
     def stage_gradient_finite(self):
         """Whether the stage's own (non-tied) gradient is finite: after the data-parallel reduce under fp32 and
         BF16 (every replica agrees), before ZeRO's reduce (this replica's only: the caller combines)."""
         if self.mode == "bf16":
-            opt = self.engine.optimizer
-            grads = [opt.fp32_groups_gradients[i][j] for i, group in enumerate(opt.bf16_groups)
-                     for j, p in enumerate(group) if id(p) not in self._tied and opt.fp32_groups_has_gradients[i][j]]
+            opt = self.ctx.optimizer
+            gradients, has_gradients = ds.fp32_gradients(opt), ds.fp32_has_gradients(opt)
+            grads = [gradients[i][j] for i, group in enumerate(ds.bf16_groups(opt))
+                     for j, p in enumerate(group) if id(p) not in self._tied and has_gradients[i][j]]
         else:
-            grads = [p.grad for p in self.engine.module.parameters() if id(p) not in self._tied and p.grad is not None]
+            grads = [p.grad for p in self.ctx.module.parameters() if id(p) not in self._tied and p.grad is not None]
         if not grads:
             return True
         return bool(torch.isfinite(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])).all())
@@ -180,7 +182,7 @@ class TiedOptimizer:
         writer = _TotalWriter(self.slots, totals)
         handle = self.inner.register_step_pre_hook(writer)
         try:
-            applied = guarded_step(self.engine, before_skip=lambda: self._fault_step(writer))
+            applied = guarded_step(self.ctx.engine, before_skip=lambda: self._fault_step(writer))
         finally:
             handle.remove()
         if self.slots and not writer.complete:
@@ -211,7 +213,7 @@ class TiedOptimizer:
             _put_state(q, self.inner, before[id(q)])
         self._restore(keep)
         if self.mode != "fp32":
-            self.engine.optimizer.update_lp_params()  # model weights from the masters (and over data parallelism)
+            ds.update_lp_params(self.ctx.optimizer)  # model weights from the masters (and over data parallelism)
 
     def _targets(self):
         """What the stepping optimizer updates: the flat partitions (BF16/ZeRO), or the parameters with a gradient."""
@@ -244,7 +246,7 @@ class TiedOptimizer:
     def state_of(self, p):
         """``{name: fp32 CPU tensor}``: the optimizer state of tied ``p`` (collective over the stage's DP group
         under BF16/ZeRO: every replica must call it for the same parameters in the same order)."""
-        engine = self.engine
+        ctx = self.ctx
         if self.mode == "fp32":
             slot = next(s for s in self.slots if s.param is p)
             state = self.inner.state.get(slot.target, {})
@@ -258,8 +260,8 @@ class TiedOptimizer:
                 source = slot.target.data if key is None else self.inner.state.get(slot.target, {}).get(key)
                 if source is not None:
                     buf.narrow(0, slot.lp_start, slot.numel).copy_(slot.view(source).float())
-            if engine.dp_world_size > 1:
-                torch.distributed.all_reduce(buf, group=engine.grid.get_data_parallel_group())
+            if ctx.dp_world_size > 1:
+                torch.distributed.all_reduce(buf, group=ctx.grid.get_data_parallel_group())
             out["master" if key is None else key] = buf.view_as(p).cpu()
         return out
 

@@ -54,9 +54,8 @@ step when it follows the segment's last backward: the engine defers it to after 
 
 import math
 
-from deepspeed.runtime.pipe.schedule import BackwardPass, RecvActivation, RecvGrad, SendActivation, SendGrad
-
-from .schedule import LocalStep
+from .program import Kind
+from .program_run import Handler, run_program
 
 __all__ = ["tied_lag", "tied_wait_violations", "minimal_tied_lag"]
 
@@ -74,64 +73,65 @@ def tied_lag(stages, owner_stages, window):
     return math.ceil(max(last - first + 1, stages - first - 1) / window)
 
 
+class _VectorClocks(Handler):
+    """Happens-before of every local step: vector clocks over program order and send -> receive edges only (so
+    the result holds for buffered and rendezvous transports alike)."""
+
+    def __init__(self, segment_of, last_backward):
+        P = len(segment_of)
+        self.segment_of, self.last_backward = segment_of, last_backward
+        self.clock = [[0] * P for _ in range(P)]
+        self.position = [0] * P
+        self.steps = {}  # (stage, segment, window) -> clock
+        self.windows = [dict() for _ in range(P)]  # stage -> {segment: windows so far}
+        self.by_version = {}  # (stage, version) -> (segment, clock, whether a backward follows it in the segment)
+
+    def _advance(self, stage):
+        i = self.position[stage]
+        self.position[stage] += 1
+        self.clock[stage][stage] += 1
+        return i
+
+    def run(self, stage, action, now):
+        i = self._advance(stage)
+        if action.kind is Kind.STEP:
+            g, vc = self.segment_of[stage][i], list(self.clock[stage])
+            k = self.windows[stage][g] = self.windows[stage].get(g, 0) + 1
+            self.steps[(stage, g, k)] = vc
+            self.by_version[(stage, action.version)] = (g, vc, i < self.last_backward[stage].get(g, -1))
+        return None
+
+    def transfer(self, sender, send, receiver, recv, arrivals):
+        self._advance(sender)
+        message = self.clock[sender]
+        self.clock[receiver] = [max(x, y) for x, y in zip(self.clock[receiver], message)]
+        self._advance(receiver)
+        return 0.0
+
+
 def _execute(segments):
-    """Vector clocks of every LocalStep: ``{(stage, segment, window): clock}``, plus final windows per segment."""
-    P = len(segments)
-    flat = []
-    for s in range(P):
-        ops = []
-        for g, seg in enumerate(segments[s]):
+    """Vector clocks of every local step: ``{(stage, segment, window): clock}``, windows per segment, and
+    ``{(stage, version): (segment, clock, followed by a backward in its segment)}``; runs on
+    :func:`~ds_paci.core.program_run.run_program`."""
+    program, segment_of, last_backward = [], [], []
+    for s, stage_segments in enumerate(segments):
+        ticks, of, last = [], [], {}
+        for g, seg in enumerate(stage_segments):
             for tick in seg:
-                for ins in tick:
-                    ops.append((g, ins))
-        flat.append(ops)
-    pos = [0] * P
-    clock = [[0] * P for _ in range(P)]
-    act = [[] for _ in range(P)]  # act[s]: messages s -> s+1
-    grad = [[] for _ in range(P)]  # grad[s]: messages s+1 -> s
-    act_read = [0] * P
-    grad_read = [0] * P
-    steps = {}
-    window = [dict() for _ in range(P)]  # stage -> {segment: windows so far}
-    by_version = {}  # (stage, LocalStep.version) -> (segment, clock, whether a backward follows it in the segment)
-    last_backward = [{g: n for n, (g, ins) in enumerate(ops) if isinstance(ins, BackwardPass)} for ops in flat]
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(P):
-            while pos[s] < len(flat[s]):
-                g, ins = flat[s][pos[s]]
-                vc = clock[s]
-                if isinstance(ins, RecvActivation):
-                    q = act[s - 1]
-                    if act_read[s] >= len(q):
-                        break
-                    msg = q[act_read[s]]
-                    act_read[s] += 1
-                    clock[s] = vc = [max(x, y) for x, y in zip(vc, msg)]
-                elif isinstance(ins, RecvGrad):
-                    q = grad[s]
-                    if grad_read[s] >= len(q):
-                        break
-                    msg = q[grad_read[s]]
-                    grad_read[s] += 1
-                    clock[s] = vc = [max(x, y) for x, y in zip(vc, msg)]
-                vc[s] += 1
-                if isinstance(ins, SendActivation):
-                    act[s].append(list(vc))
-                elif isinstance(ins, SendGrad):
-                    grad[s - 1].append(list(vc))
-                elif isinstance(ins, LocalStep):
-                    k = window[s].get(g, 0) + 1
-                    window[s][g] = k
-                    steps[(s, g, k)] = list(vc)
-                    by_version[(s, ins.version)] = (g, list(vc), pos[s] < last_backward[s].get(g, -1))
-                pos[s] += 1
-                progressed = True
-    stuck = [s for s in range(P) if pos[s] < len(flat[s])]
-    if stuck:
-        raise ValueError(f"streams deadlock (stages {stuck} wait for messages that are never sent)")
-    return steps, window, by_version
+                for action in tick:
+                    if action.kind is Kind.BACKWARD:
+                        last[g] = len(of)
+                    of.append(g)
+                ticks.append(list(tick))
+        program.append(ticks)
+        segment_of.append(of)
+        last_backward.append(last)
+    clocks = _VectorClocks(segment_of, last_backward)
+    run = run_program(program, clocks)
+    if run.stuck:
+        raise ValueError(f"streams deadlock (stages {[x.stage for x in run.stuck]} wait for messages that are never "
+                         "sent)")
+    return clocks.steps, clocks.windows, clocks.by_version
 
 
 def _carried_violations(by_version, owners, lag, n_segments, last_segment_drained):
@@ -159,7 +159,7 @@ def tied_wait_violations(segments, owner_stages, lag, last_segment_drained=True,
     :meth:`PACIStream.advance` and :meth:`PACIStream.drain` return them). For every owner and
     every step ``k`` of a segment with ``k - lag >= 1`` (except the last step of a drained
     segment, which runs after the drain) each peer's step ``k - lag`` must happen before it.
-    ``carried``: windows are numbered over the whole stream (``LocalStep.version``; the exchange
+    ``carried``: windows are numbered over the whole stream (the ``STEP``'s version; the exchange
     carries pending windows across drains), and only a drained segment's last step that no backward
     pass follows is exempt (see the module docstring).
     """

@@ -31,6 +31,7 @@ import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
 from . import compat
+from . import deepspeed_internals as ds
 from .local_step import is_wrapped
 
 FORMAT = 1
@@ -63,8 +64,8 @@ def capture(engine):
         "grads": [None if p.grad is None else p.grad.detach().cpu().clone() for p in engine.module.parameters()],
     }
     if isinstance(opt, BF16_Optimizer):
-        state["hp_grads"] = [flat.detach().cpu().clone() for flat in opt.fp32_groups_gradients_flat]
-        state["hp_has"] = [list(flags) for flags in opt.fp32_groups_has_gradients]
+        state["hp_grads"] = [flat.detach().cpu().clone() for flat in ds.fp32_gradients_flat(opt)]
+        state["hp_has"] = [list(flags) for flags in ds.fp32_has_gradients(opt)]
     tied = getattr(engine, "_tied", None)
     if tied is not None:
         state["tied"] = _tied_pending(tied)
@@ -114,10 +115,10 @@ def restore(engine, state, where):
                 p.grad.copy_(g)
         opt = engine.optimizer
         if "hp_grads" in state:
-            for flat, saved in zip(opt.fp32_groups_gradients_flat, state["hp_grads"]):
+            for flat, saved in zip(ds.fp32_gradients_flat(opt), state["hp_grads"]):
                 flat.copy_(saved)
             for i, flags in enumerate(state["hp_has"]):
-                opt.fp32_groups_has_gradients[i] = list(flags)
+                ds.fp32_has_gradients(opt)[i] = list(flags)
     tied = getattr(engine, "_tied", None)
     if tied is not None:
         _load_tied_pending(tied, state.get("tied"))
@@ -126,7 +127,7 @@ def restore(engine, state, where):
 def _tied_pending(tied):
     """A drained owner's pending tied windows (own and received parts, by owner stage), as CPU tensors.
 
-    After a drain every receive has completed (:meth:`TiedWeights.end_drain` waits for them).
+    After a drain every receive has completed (:meth:`TiedWeights.finish_drain` waits for them).
     """
     out = []
     for ex in tied.exchanges:

@@ -4,9 +4,9 @@ A *record* is one executed instruction of one rank::
 
     {"rank": 0, "stage": 0, "instr": "F3", "start": 1700000000.10, "end": 1700000000.12}
 
-``instr`` is the text form of :mod:`ds_paci.core.schedule` (``F3``, ``B3``, ``SA3``, ``RG3``,
-``L3``, ``ACC3``, ``STEP1``; the simulator adds ``REDUCE_GRADS``/``REDUCE_TIED`` for stock
-DeepSpeed), ``start``/``end`` are seconds (wall clock for engine traces, comparable
+``instr`` is an action's text form (:mod:`ds_paci.core.program`, the one vocabulary: ``F3``, ``B3``,
+``SA3``, ``RG3``, ``L3``, ``ACC3``, ``STEP1``, ``REDUCE_GRADS``/``REDUCE_TIED`` for stock DeepSpeed) without
+its bracketed facts (:func:`instr_text`), ``start``/``end`` are seconds (wall clock for engine traces, comparable
 across the processes of one machine). The engine writes one JSON-lines file per rank
 (:meth:`ds_paci.PACIPipelineEngine.write_trace`); :func:`records_from_sim` turns a
 simulation into the same records. This module sits below both the simulator and the
@@ -18,30 +18,33 @@ import json
 import os
 import re
 
-__all__ = ["COMPUTE_KINDS", "kind_of", "micro_batch_in", "load_records", "records_from_sim"]
+from ds_paci.core.program import Kind, format_action
 
-_PREFIX_KIND = [
-    ("STEP", "step"),
-    ("ACC", "step"),
-    ("REDUCE", "step"),
-    ("SA", "send"),
-    ("SG", "send"),
-    ("RA", "recv"),
-    ("RG", "recv"),
-    ("L", "load"),
-    ("F", "forward"),
-    ("B", "backward"),
-]
+__all__ = ["COMPUTE_KINDS", "instr_text", "kind_of", "micro_batch_in", "load_records", "records_from_sim"]
+
+_RECORD_KIND = {Kind.LOAD: "load", Kind.FORWARD: "forward", Kind.BACKWARD: "backward", Kind.SEND_ACT: "send",
+                Kind.SEND_GRAD: "send", Kind.RECV_ACT: "recv", Kind.RECV_GRAD: "recv", Kind.ACCUMULATE: "step",
+                Kind.STEP: "step", Kind.REDUCE_GRADS: "step", Kind.REDUCE_TIED: "step"}
+# the text codes of :class:`Kind`, longest first so that no code shadows a longer one
+_CODE = re.compile("^(" + "|".join(sorted((re.escape(k.value) for k in Kind), key=len, reverse=True)) + ")")
 _NUMBER = re.compile(r"(\d+)$")
 COMPUTE_KINDS = ("forward", "backward", "step", "load")
 
 
+def instr_text(action):
+    """The record text of an :class:`~ds_paci.core.program.Action`: its text form without the bracketed facts
+    (``F3[0,x]`` -> ``F3``, ``STEP2[lr2]`` -> ``STEP2``), as engines write it."""
+    return format_action(action, facts=False)
+
+
+def _kind_code(instr):
+    match = _CODE.match(instr)
+    return Kind(match.group(1)) if match else None
+
+
 def kind_of(instr):
     """Kind of an instruction text: forward, backward, step, load, send, recv, or other."""
-    for prefix, kind in _PREFIX_KIND:
-        if instr.startswith(prefix):
-            return kind
-    return "other"
+    return _RECORD_KIND.get(_kind_code(instr), "other")
 
 
 def micro_batch_in(instr):

@@ -7,7 +7,7 @@ lookahead``, the look-ahead's prediction for forwards the stream tags ``crosses_
 the engine's own :class:`~ds_paci.core.lookahead.LookAhead`); a backward runs through the weights
 current at backward time (optimizers step on ``.data`` aliases); each stage takes its own
 optimizer step after every ``a`` backward passes (``a`` may differ per stage) and steps its LR
-scheduler ``LocalStep.lr_steps`` times (one per ``M`` micro-batches stepped); the last stage's
+scheduler ``lr_steps`` of the ``STEP`` action times (one per ``M`` micro-batches stepped); the last stage's
 loss is scaled as the engine scales it (:func:`last_stage_backward`); streams are drained where
 the engine drains (:func:`ENGINE_RULES`), leaving a partial window open as ``eval_batch`` does,
 and closed at the end. ``--mode sync`` drains after every batch (the stock
@@ -23,7 +23,7 @@ The engine's rules the replay mirrors, each in one place here:
 
 * the last stage's loss scaling: :func:`last_stage_backward` (``compat.last_stage_loss_factor``,
   then DeepSpeed's ``1/M`` on the loss gradient where it divides);
-* the LR schedule: :func:`advance_lr_schedule` (the stream's rule: each ``LocalStep`` carries
+* the LR schedule: :func:`advance_lr_schedule` (the stream's rule: each ``STEP`` action carries
   ``lr_steps``, one scheduler step per ``M`` micro-batches stepped, so the schedule does not
   depend on the window);
 * the drain: :meth:`PACIStream.drain <ds_paci.core.schedule.PACIStream.drain>` itself decides
@@ -50,13 +50,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from deepspeed.runtime.pipe import schedule as ds
 
 from ds_paci.core import compat
 from ds_paci.core.config import PACIConfig, auto_window
 from ds_paci.core.local_step import ParamAliases
 from ds_paci.core.lookahead import lookahead_for_torch_optimizer
-from ds_paci.core.schedule import LocalStep, PACIStream
+from ds_paci.core.program import Kind
+from ds_paci.core.program_run import Handler, run_program
+from ds_paci.core.schedule import PACIStream
 from ds_paci.workload.gpt2 import Block, gpt2_config, gpt2_reference_model, lm_loss
 
 MODES = ("sync", "paci", "lookahead")
@@ -158,7 +159,7 @@ def last_stage_backward(loss: torch.Tensor, micro_batches: int, window: int) -> 
 
 
 def advance_lr_schedule(scheduler, lr_steps: int) -> None:
-    """The LR-schedule rule at a stage's local step: the scheduler steps ``LocalStep.lr_steps`` times (the
+    """The LR-schedule rule at a stage's local step: the scheduler steps ``lr_steps`` of the ``STEP`` action times (the
     stream's count of whole ``M`` micro-batches stepped since the last scheduler step), as the engine's
     ``_local_step`` does. Change it here when the engine's counters change."""
     if scheduler is not None:
@@ -246,6 +247,16 @@ def _scheduler_factory(schedule, steps, warmup, cos_min_ratio):
     return lambda opt: WarmupCosineLR(opt, total_num_steps=steps, warmup_num_steps=warm, cos_min_ratio=cos_min_ratio)
 
 
+class _Math(Handler):
+    """The replay's handler of :func:`~ds_paci.core.program_run.run_program`: every local action does its math."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+
+    def run(self, stage, action, now):
+        self.pipeline.run_action(stage, action)
+
+
 class _Pipeline:
     """Every stage in one process; :meth:`execute` runs ticks in the order the engine's processes would."""
 
@@ -285,24 +296,30 @@ class _Pipeline:
         if s > 0:
             self.grads[(s, m)] = self.inputs.pop((s, m)).grad
 
+    def run_action(self, s, action):
+        """The math of one action of stage ``s`` (transfers carry nothing here: outputs and gradients are shared)."""
+        stage, kind, m = self.stages[s], action.kind, action.micro_batch
+        if kind is Kind.LOAD and s == 0:
+            x, y = next(self.train_iter)
+            self.batches[m] = (x, y) if self.device is None else (x.to(self.device), y.to(self.device))
+        elif kind is Kind.FORWARD:
+            if self.mode == "lookahead" and action.crosses_step and stage.predicts:
+                with stage.predicted(action.window_fill):
+                    self.outputs[(s, m)] = self._forward(s, m)
+            else:
+                self.outputs[(s, m)] = self._forward(s, m)
+        elif kind is Kind.BACKWARD:
+            self._backward(s, m)
+        elif kind is Kind.STEP:
+            stage.local_step(action.lr_steps)
+
     def execute(self, ticks):
-        for t in range(max(len(x) for x in ticks)):
-            for s, stage in enumerate(self.stages):
-                for cmd in ticks[s][t] if t < len(ticks[s]) else []:
-                    m = getattr(cmd, "micro_batch_id", None)
-                    if isinstance(cmd, ds.LoadMicroBatch) and s == 0:
-                        x, y = next(self.train_iter)
-                        self.batches[m] = (x, y) if self.device is None else (x.to(self.device), y.to(self.device))
-                    elif isinstance(cmd, ds.ForwardPass):
-                        if self.mode == "lookahead" and cmd.crosses_step and stage.predicts:
-                            with stage.predicted(cmd.window_fill):
-                                self.outputs[(s, m)] = self._forward(s, m)
-                        else:
-                            self.outputs[(s, m)] = self._forward(s, m)
-                    elif isinstance(cmd, ds.BackwardPass):
-                        self._backward(s, m)
-                    elif isinstance(cmd, LocalStep):
-                        stage.local_step(cmd.lr_steps)
+        """Run every stage's ``ticks`` on :func:`~ds_paci.core.program_run.run_program`, the engine's semantics:
+        a stage's forward runs after its activation arrived, a backward after its gradient did."""
+        run = run_program(ticks, _Math(self))
+        if not run.ok:
+            raise RuntimeError("the replayed streams do not run: " +
+                               "; ".join([str(x) for x in run.stuck] + run.mismatches))
 
     def call_loss(self):
         """The loss the engine's last stage returns for the call just run (``None``: no forward completed)."""

@@ -36,12 +36,12 @@ What is measured (per run, inside every rank):
 * **Memory**: :class:`ActivationMeter` counts the bytes of tensors saved for backward
   (``torch.autograd.graph.saved_tensors_hooks``, deduplicated by storage, parameters
   excluded), and, after each forward of the stage, the union of those with the
-  engine's ``pipe_buffers`` and the stage output; the peaks of both, the process's
+  engine's pipe buffers and the stage output; the peaks of both, the process's
   peak RSS (``ru_maxrss``), parameter and optimizer-state bytes, and whether every
   optimizer tensor shares storage with a module parameter (no weight copies).
 * **Timelines** (``--trace``): per-instruction records of the first round's runs,
-  from ``paci.trace`` for PACI and from wrapped ``PipelineEngine._INSTRUCTION_MAP``
-  functions (inside the stock worker processes only) for the stock engine.
+  from ``paci.trace`` for PACI and, for the stock engine, from DeepSpeed's instruction functions wrapped in a
+  table of that engine's own (DeepSpeed's class table is left unchanged).
 
 Outputs under ``--out``: ``<config>.json`` per configuration, ``summary.md``,
 ``<config>_throughput.png``, ``<config>_loss.png``, ``ratios.png`` and, with

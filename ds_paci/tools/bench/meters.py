@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
+from ds_paci.core.program import Kind
 
 
 def _storage_of(tensor):
@@ -115,7 +116,7 @@ class ActivationMeter(SavedTensorMeter):
     * ``peak_saved_bytes``: most bytes ever held at once by tensors autograd saved for
       backward, counted once per storage, parameters excluded. Tracked at every save.
     * ``peak_held_bytes``: most bytes of the union of those saved storages, the
-      engine's ``pipe_buffers`` (inputs, labels, outputs) and the stage output, sampled
+      engine's pipe buffers (inputs, labels, outputs) and the stage output, sampled
       right after each training forward of the stage (when a 1F1B stage holds most).
 
     Use :meth:`training` around training calls only; evaluation is not counted.
@@ -132,7 +133,8 @@ class ActivationMeter(SavedTensorMeter):
         if not (self._active and module.training and torch.is_grad_enabled()):
             return
         held = {key: entry[1] for key, entry in self._saved.items()}
-        buffers = self._engine.pipe_buffers
+        from ds_paci.core import deepspeed_internals
+        buffers = deepspeed_internals.pipe_buffers(self._engine)
         for tensor in _tensors_in([list(slots) for slots in buffers.values()] + [output]):
             storage = _storage_of(tensor)
             if storage is not None and storage[0] not in self._param_storages:
@@ -184,22 +186,23 @@ def peak_rss_bytes() -> int:
 class StockInstructionTracer:
     """Per-instruction records of the stock engine, in :mod:`ds_paci.tools.records` format.
 
-    :meth:`install` wraps the functions of ``PipelineEngine._INSTRUCTION_MAP`` of *this
-    process* (benchmark workers only). Records are taken while :attr:`active`.
+    :meth:`install` gives one engine its own instruction table, DeepSpeed's stock functions wrapped; DeepSpeed's
+    class table (``PipelineEngine._INSTRUCTION_MAP``), and so every other engine, is left unchanged (the table
+    lives in :mod:`ds_paci.core.deepspeed_internals`). Records are taken while :attr:`active`.
     Micro-batch ids are counted per instruction type, which 1F1B executes in
     micro-batch order; the optimizer step prints as ``STEP<n>`` (n = steps so far).
     """
 
-    _CODES = {
-        "LoadMicroBatch": "L",
-        "ForwardPass": "F",
-        "BackwardPass": "B",
-        "SendActivation": "SA",
-        "RecvActivation": "RA",
-        "SendGrad": "SG",
-        "RecvGrad": "RG",
+    _CODES = {  # DeepSpeed's instruction type -> the program vocabulary's text code
+        "LoadMicroBatch": Kind.LOAD.value,
+        "ForwardPass": Kind.FORWARD.value,
+        "BackwardPass": Kind.BACKWARD.value,
+        "SendActivation": Kind.SEND_ACT.value,
+        "RecvActivation": Kind.RECV_ACT.value,
+        "SendGrad": Kind.SEND_GRAD.value,
+        "RecvGrad": Kind.RECV_GRAD.value,
     }
-    _NAMES = {"ReduceGrads": "REDUCE_GRADS", "ReduceTiedGrads": "REDUCE_TIED"}
+    _NAMES = {"ReduceGrads": Kind.REDUCE_GRADS.value, "ReduceTiedGrads": Kind.REDUCE_TIED.value}
 
     def __init__(self, rank: int, stage: int):
         self.rank, self.stage = rank, stage
@@ -207,11 +210,11 @@ class StockInstructionTracer:
         self.active = False
         self._counts = Counter()
 
-    def install(self):
-        from deepspeed.runtime.pipe.engine import PipelineEngine
-        table = PipelineEngine._INSTRUCTION_MAP
-        for cls, fn in list(table.items()):
-            table[cls] = self._timed(cls.__name__, fn)
+    def install(self, engine):
+        """Time ``engine``'s stock instructions from now on (one tracer may serve several engines in turn)."""
+        from ds_paci.core import deepspeed_internals
+        table = {cls: self._timed(cls.__name__, fn) for cls, fn in deepspeed_internals.stock_instruction_map().items()}
+        deepspeed_internals.set_engine_instruction_map(engine, table)
 
     def _timed(self, type_name, fn):
         tracer = self
@@ -233,5 +236,5 @@ class StockInstructionTracer:
         if type_name in self._CODES:
             return f"{self._CODES[type_name]}{n}"
         if type_name == "OptimizerStep":
-            return f"STEP{n + 1}"
+            return f"{Kind.STEP.value}{n + 1}"
         return self._NAMES.get(type_name, type_name.upper())

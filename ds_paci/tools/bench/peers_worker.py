@@ -74,15 +74,14 @@ def _stage_state(modules) -> dict:
     return state
 
 
-_STOCK_TRACER = []  # one tracer per process: it wraps DeepSpeed's class-level instruction table once
+_STOCK_TRACER = []  # one tracer per process (its instruction counts go on across cells), installed on each engine
 
 
-def _stock_tracer(rank: int, stage: int):
+def _stock_tracer(engine):
     if not _STOCK_TRACER:
-        tracer = StockInstructionTracer(rank, stage)
-        tracer.install()
-        _STOCK_TRACER.append(tracer)
+        _STOCK_TRACER.append(StockInstructionTracer(engine.global_rank, engine.stage_id))
     tracer = _STOCK_TRACER[0]
+    tracer.install(engine)
     tracer.records.clear()
     return tracer
 
@@ -100,7 +99,7 @@ def _run_deepspeed(job: CellJob, engine_name: str, keep_state: bool) -> dict:
         raise RuntimeError(f"DeepSpeed partitioned the layers at {list(module.parts)}, the study expects {expected}")
     engine, *_ = ds_paci.initialize(model=module, model_parameters=module.parameters(),
                                     config=ds_config(cell, engine_name, engine_name != "stock"))
-    tracer = _stock_tracer(engine.global_rank, engine.stage_id) if engine_name == "stock" else None
+    tracer = _stock_tracer(engine) if engine_name == "stock" else None
     meter = SavedTensorMeter(engine.module.parameters())
     data = _batches(job, engine.is_first_stage() or engine.is_last_stage())
     calls, losses, held, peaks = [], [], [], []

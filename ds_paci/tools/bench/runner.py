@@ -114,7 +114,7 @@ def run_rank(rank: int, job: RunJob) -> dict:
     tracer = None
     if job.trace and job.engine == "stock":
         tracer = StockInstructionTracer(rank, stage)
-        tracer.install()
+        tracer.install(engine)
     meter = ActivationMeter(engine)
     train_iter, val_batches = None, [None] * (cfg.eval_batches * cfg.micro_batches)
     if engine.is_first_stage() or engine.is_last_stage():
