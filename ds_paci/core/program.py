@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 __all__ = [
-    "Kind", "Action", "P2P_PARTNER", "COMPUTE_KINDS", "format_action", "parse_action", "format_tick", "parse_tick",
+    "Kind", "Action", "P2P_PARTNER", "format_action", "parse_action", "format_tick", "parse_tick",
     "format_stage", "parse_stage", "format_program", "parse_program", "from_deepspeed"
 ]
 
@@ -61,10 +61,6 @@ class Kind(enum.Enum):
     REDUCE_GRADS = "REDUCE_GRADS"
     REDUCE_TIED = "REDUCE_TIED"
 
-    @property
-    def is_p2p(self):
-        return self in P2P_PARTNER
-
 
 # p2p kind -> (partner stage offset, the partner's matching kind)
 P2P_PARTNER = {
@@ -73,8 +69,6 @@ P2P_PARTNER = {
     Kind.SEND_GRAD: (-1, Kind.RECV_GRAD),
     Kind.RECV_GRAD: (+1, Kind.SEND_GRAD),
 }
-# kinds that occupy a stage's device (the rest is transfer or bookkeeping)
-COMPUTE_KINDS = frozenset({Kind.LOAD, Kind.FORWARD, Kind.BACKWARD, Kind.STEP})
 _MICRO_BATCH_KINDS = frozenset({Kind.LOAD, Kind.FORWARD, Kind.BACKWARD, Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD,
                                 Kind.RECV_GRAD, Kind.ACCUMULATE})
 _TIED_KINDS = frozenset({Kind.TIED_POST, Kind.TIED_APPLY})
