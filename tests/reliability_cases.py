@@ -77,6 +77,13 @@ CASES = [
      "`kill -TERM` / `kill -INT` to the runner process alone (it dies; DeepSpeed leaves launcher and ranks running)",
      "the ranks see their launcher chain end, stop at an agreed step, save, and end within 10 s; the launcher ends too",
      ["tests/test_reliability.py::test_signal_to_runner_or_launcher_ends_every_rank"]),
+    ("Stops", "a job started with SIGINT ignored (`deepspeed ... &` from a script: a shell without job control "
+     "starts background commands with SIGINT and SIGQUIT ignored, and children inherit that)",
+     "the fault tests' launches, made from a suite whose SIGINT and SIGQUIT are set to ignored",
+     "the launched job has both at their defaults (the runner gets Python's `KeyboardInterrupt` handler), so the "
+     "row above holds under `make test &`. A user's runner started that way ignores `kill -INT`, as its shell asked: "
+     "send it SIGTERM, or SIGINT to a rank (a rank installs its own handler)",
+     ["tests/test_reliability.py::test_launched_jobs_see_sigint_as_from_a_terminal_even_when_the_suite_ignores_it"]),
     ("Stops", "`kill -9` of the launcher (`deepspeed.launcher.launch`)",
      "SIGKILL to the launcher",
      "the parent-death signal reaches every rank: they stop (`launcher exit`), save and end within 10 s",

@@ -216,6 +216,18 @@ def test_stop_signal_to_one_rank_saves_and_resume_continues(tmp_path):
     assert "==== summary" in run.output
 
 
+def test_launched_jobs_see_sigint_as_from_a_terminal_even_when_the_suite_ignores_it():
+    # `make test &` in a shell without job control starts the suite with SIGINT and SIGQUIT ignored; the jobs the
+    # stop tests launch must not inherit that, or DeepSpeed's runner ignores the SIGINT they send it
+    probe = ("import signal; from ds_paci.tools.savekill import Launched; import sys; "
+             "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGQUIT, signal.SIG_IGN); "
+             "job = Launched([sys.executable, '-c', 'import signal; print(signal.getsignal(signal.SIGINT) is "
+             "signal.default_int_handler, signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL)']); "
+             "job.finish(timeout=60); print(job.output)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-2:] == ["True", "True"], (out.stdout, out.stderr[-2000:])
+
+
 @pytest.mark.parametrize("target,sig", [("runner", signal.SIGTERM), ("runner", signal.SIGINT),
                                         ("launcher", signal.SIGKILL)],
                          ids=["runner-SIGTERM", "runner-SIGINT", "launcher-SIGKILL"])

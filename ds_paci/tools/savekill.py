@@ -51,12 +51,22 @@ def small_corpus(path, chars=120_000):
     return path
 
 
+#: Exec ``argv[1:]`` with SIGINT and SIGQUIT at their default actions. A shell without job control starts its
+#: background commands with both ignored and the child inherits that: a test suite started with ``make test &``
+#: would launch a ``deepspeed`` runner that ignores SIGINT (Python installs its ``KeyboardInterrupt`` handler
+#: only where SIGINT is not ignored at start-up). The launched job must see signals as from a terminal.
+_DEFAULT_SIGNALS_EXEC = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                         "signal.signal(signal.SIGQUIT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
+
+
 class Launched:
-    """A command in a session of its own (``kill -- -PGID`` reaches all of it); output collected line by line."""
+    """A command in a session of its own (``kill -- -PGID`` reaches all of it), started with SIGINT and SIGQUIT at
+    their defaults whatever this process ignores; output collected line by line."""
 
     def __init__(self, cmd, env=None, cwd=None):
         env = dict(os.environ, DS_ACCELERATOR="cpu", **(env or {}))
         self.started = time.monotonic()
+        cmd = [sys.executable, "-c", _DEFAULT_SIGNALS_EXEC, _resolve(cmd[0])] + list(cmd[1:])
         self.proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines = []
@@ -107,6 +117,12 @@ class Launched:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _resolve(program):
+    """``program`` as a path ``os.execv`` can run (looked up on ``PATH`` when it has no slash)."""
+    import shutil
+    return program if os.sep in program else (shutil.which(program) or program)
 
 
 class Run(Launched):
