@@ -165,7 +165,26 @@ def agree_start(error, args):
             line = resume_refusal(e)
     if line is None:
         return None, plan
-    if tdist.get_rank() == 0:
+    rank = tdist.get_rank()
+    if rank == 0:
         print(f"error: {line}", file=sys.stderr, flush=True)
     tdist.destroy_process_group()
+    leave_the_line_to_rank0(rank)
     return EXIT_USAGE, None
+
+
+#: How long a rank other than 0 waits before it exits with a refusal that rank 0 reports.
+REFUSAL_GRACE_S = 10.0
+
+
+def leave_the_line_to_rank0(rank):
+    """A refusal is said by rank 0 only (one line). DeepSpeed's launcher (and torchrun) ends every rank as soon as
+    one exits non-zero, and reports that rank's code: a rank other than 0 exiting first could have rank 0 killed
+    before its line is written. So such a rank waits (at most :data:`REFUSAL_GRACE_S`) for rank 0 to exit, with
+    SIGTERM at its default, so that the launcher's SIGTERM ends it silently."""
+    if rank == 0:
+        return
+    import signal
+    import time
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(REFUSAL_GRACE_S)

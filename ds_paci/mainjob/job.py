@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .inputs import agree_start, build_model_config, check_inputs
+from .inputs import agree_start, build_model_config, check_inputs, leave_the_line_to_rank0
 from .loop import TrainingLoop
 from .metrics import JobShape, Reporter
 from .options import EXIT_USAGE, UsageError, parse_args
@@ -36,6 +36,7 @@ class Prepared:
 def _refuse(rank, error):
     if rank == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
+    leave_the_line_to_rank0(rank)
     return EXIT_USAGE
 
 
