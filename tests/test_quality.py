@@ -66,6 +66,20 @@ def test_report_names_the_best_fixed_window_and_whether_the_rule_holds():
     assert report.steps_to([(0, 3.0), (10, 2.0), (20, 1.0)], 1.5) == 15.0 and report.steps_to([(0, 3.0)], 1) is None
 
 
+def test_muon_table_sets_each_muon_cell_beside_the_same_adamw_cell():
+    finals = {}
+    for run in grid.muon_runs(8, 3e-3):
+        finals[run.key()] = {"stock": 2.5, "paci": 2.6, "lookahead": 2.45}[run.engine]
+        adamw = dataclasses.replace(run, optimizer="adamw")
+        if run.engine != "stock":  # the sweep's AdamW PACI runs train past stock's steps
+            adamw = grid.make_run(8, run.micro_batches, run.engine, list(run.windows), run.lr, grid.SEEDS[0], True)
+        finals[adamw.key()] = {"stock": 2.4, "paci": 3.0, "lookahead": 2.52}[run.engine]
+    table = report.muon_table(_fake_results(finals))
+    assert "| 8 | 4 | 0.003 | muon | 2.5000 | 2.6000 (+4.00%) | 7,6,5,4,4,4,4,4 | 2.4500 (-2.00%) |" in table
+    assert "| 8 | 4 | 0.003 | adamw | 2.4000 | 3.0000 (+25.00%) | 7,6,5,4,4,4,4,4 | 2.5200 (+5.00%) |" in table
+    assert len(table.splitlines()) == 2 + 6
+
+
 def test_sweep_runs_resume_from_their_json_lines(tmp_path):
     tiny = dataclasses.replace(grid.make_run(4, 2, "lookahead", grid.auto_windows(4, 2), 3e-3, grid.SEEDS[0]),
                                steps=6, common_steps=4)

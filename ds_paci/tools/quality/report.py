@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from .grid import (ALL_RULES, DEPTHS, FIXED_RULES, PACI_RULE, SEEDS, SWEEP_LRS, cell_lrs, lr_sweep_runs, make_run,
-                   micro_batch_counts, rule_windows, window_label)
+from .grid import (ALL_RULES, DEPTHS, FIXED_RULES, MUON_DEPTHS, PACI_RULE, SEEDS, SWEEP_LRS, cell_lrs, lr_sweep_runs,
+                   make_run, micro_batch_counts, muon_runs, rule_windows, window_label)
 from .sweep import load_results
 from ds_paci.tools.bench.analysis import loss_at_step
 
@@ -127,6 +127,32 @@ def rule_table(summaries: list, rule: str) -> str:
     return "\n".join(lines)
 
 
+def muon_table(results: dict) -> str:
+    """The Muon cells (:func:`~.grid.muon_runs`, first seed) beside the same cells under AdamW."""
+    lines = ["| P | M | lr | optimizer | stock | PACI a=max(M,P-1) (vs stock) | look-ahead auto: a | look-ahead auto "
+             "(vs stock) |", "|---|---|---|---|---|---|---|---|"]
+    for stages in MUON_DEPTHS:
+        lrs = cell_lrs(results, stages)
+        if lrs is None:
+            continue
+        runs = muon_runs(stages, lrs[0])
+        for M in micro_batch_counts(stages):
+            for opt in ("adamw", "muon"):
+                finals = {}
+                for run in (r for r in runs if r.micro_batches == M):
+                    row = _find(results, stages, M, run.engine, list(run.windows), run.lr, SEEDS[0]) if opt == "adamw" \
+                        else results.get(run.key())
+                    finals[run.engine] = (None if row is None else row["final"], run.windows)
+                stock = finals["stock"][0]
+
+                def cell(engine):
+                    v = finals[engine][0]
+                    return "-" if v is None else f"{v:.4f} ({_pct(_rel(v, stock))})"
+                lines.append(f"| {stages} | {M} | {lrs[0]:g} | {opt} | {'-' if stock is None else f'{stock:.4f}'} | "
+                             f"{cell('paci')} | {window_label(finals['lookahead'][1])} | {cell('lookahead')} |")
+    return "\n".join(lines)
+
+
 def steps_to(curve, target):
     """Steps until ``curve`` (``[(step, loss), ...]``) first reaches ``target`` (linear between validations)."""
     prev = None
@@ -190,6 +216,8 @@ def write_report(out: str, rules=("auto", "a=max(M,P-1)")) -> str:
              cells_table(cells), ""]
     for rule in rules:
         parts += [f"## Rule `{rule}` in every cell", "", rule_table(cells, rule), ""]
+    parts += ["## Muon (torch.optim.Muon on the blocks' matrices, AdamW on the rest; first seed) beside AdamW", "",
+              muon_table(results), ""]
     parts += ["## Time to stock's final loss (P <= 8; PACI engines trained 1.5x stock's step count)", "",
               time_to_final_table([c for c in cells if c["stages"] <= 8], rules[0]), ""]
     markdown = "\n".join(parts)
