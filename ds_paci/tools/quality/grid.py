@@ -74,7 +74,8 @@ FIXED_RULES = {
     "a=2max(M,P-1)": _uniform(lambda P, M: 2 * max(M, P - 1)),
 }
 #: Per-stage rules (a_s at stage s) run next to them: the smallest window with drift <= 1 at each stage, floored
-#: at M; the same floored at min(M, P-1) only; and the rule "auto" is now (ds_paci.core.config.auto_window).
+#: at M; the same floored at min(M, P-1) only (the rule "auto" is now in every sweep cell: its guard ceil(M/3) of
+#: ds_paci.core.config.auto_window binds in none); and the "auto" of the first sweep runs, floored at ceil(M/2).
 CANDIDATE_RULES = {
     "a_s=max(M,P-1-s)": lambda P, M: [max(M, P - 1 - s, 1) for s in range(P)],
     "a_s=max(min(M,P-1),P-1-s)": lambda P, M: [max(min(M, P - 1), P - 1 - s, 1) for s in range(P)],
