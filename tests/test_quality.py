@@ -130,3 +130,13 @@ def test_time_to_final_report_checks_the_replay_against_the_stored_engine_curves
     assert "1 of 2 runs identical" in markdown and "PACI runs pending" in markdown
     # stock's final loss (2.0 at step 300, 2 s per batch) reached at step 330 at 1 s per batch: 1.82x sooner
     assert "| 0.002 | 300 (100%) | 2.0000 | PACI | 330 | 330.0 s | 1.82x |" in markdown
+
+
+def test_assembled_page_finds_the_generated_pages_images_from_its_own_folder(tmp_path):
+    from ds_paci.tools.quality.doc import assemble_doc
+    out = tmp_path / "results" / "quality"
+    out.mkdir(parents=True)
+    (out / "intro.md").write_text("# intro")
+    (out / "larger.md").write_text("# larger\n\n![curves](larger.png)\n")
+    markdown = assemble_doc(str(out), target=str(tmp_path / "results" / "quality.md"))
+    assert "![curves](quality/larger.png)" in markdown and "## larger" in markdown

@@ -4,6 +4,7 @@ generated table (the sweep, the time to stock's final loss, the larger model, th
 from __future__ import annotations
 
 import os
+import re
 
 from . import larger, time_to_final
 from .grid import window_label
@@ -32,7 +33,10 @@ def assemble_doc(out: str, target: str = "docs/results/quality.md") -> str:
         path = os.path.join(out, name)
         return open(path).read().strip() if os.path.exists(path) else f"({name}: not generated yet; see \"Not measured in this round\")"
 
-    def demote(text):  # the generated pages' headings one level down
+    def demote(text):  # the generated pages' headings one level down; their images found from the target's folder
+        text = re.sub(r"!\[([^\]]*)\]\(([^)/:]+)\)",
+                      lambda m: f"![{m.group(1)}]({os.path.relpath(os.path.join(out, m.group(2)), os.path.dirname(target) or '.')})",
+                      text)
         return "\n".join("#" + line if line.startswith("#") else line for line in text.splitlines())
 
     write_report(out)
