@@ -13,7 +13,7 @@ CONFIG ?= configs/paci.json
 TRAIN_ARGS ?=
 DS_ARGS ?=  # launcher options, e.g. DS_ARGS="--master_port 23456" when other jobs use the default port
 
-# Supported DeepSpeed: DS_OLDEST to DS_NEWEST (setup.py, ds_paci/core/compat.py). .venv gets the newest; `make test`
+# Supported DeepSpeed: DS_OLDEST to DS_NEWEST (setup.py, ds_paci/core/seam/compat.py). .venv gets the newest; `make test`
 # also runs the tests that cover what differs between DeepSpeed versions against the oldest, in its own venv (kept
 # under the ignored .cache/ between runs).
 DS_NEWEST ?= 0.19.8

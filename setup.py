@@ -8,7 +8,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch==2.13.0",
-        # the range ds_paci.core.compat supports; `make setup` installs the newest, `make test-oldest` the oldest
+        # the range ds_paci.core.seam.compat supports; `make setup` installs the newest, `make test-oldest` the oldest
         "deepspeed>=0.16.0,<=0.19.8",
         "transformers==5.24.0",
         "tokenizers==0.23.3",

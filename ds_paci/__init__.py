@@ -7,10 +7,10 @@ the same 4-tuple ``(engine, optimizer, training_dataloader, lr_scheduler)``. Wit
 exactly what ``deepspeed.initialize`` returns.
 """
 
-from .core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .core.checkpoint.atomic import CheckpointError, load_checkpoint, save_checkpoint
 from .core.config import PACIConfig, PACIConfigError, load_config, parse_paci_section, validate_run
-from .core.engine import PACIPipelineEngine, PACIStreamError
-from .core.guard import PACINonFiniteError
+from .core.engine.pipeline_engine import PACIPipelineEngine, PACIStreamError
+from .core.step.guard import PACINonFiniteError
 from .core.initialize import initialize
 from .core.runtime import init_distributed, skip_cpu_jit_ops
 

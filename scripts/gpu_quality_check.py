@@ -111,8 +111,8 @@ def block_times(device: str, size: str) -> dict:
 def _predictor_gap(optimizer_factory, device: str, window: int = 4) -> dict:
     """Steps of ``optimizer`` on random gradients, then the look-ahead's prediction with the complete window
     against the real next step (fp32 parameters stepped through ``.data`` aliases, as the engine steps them)."""
-    from ds_paci.core.local_step import ParamAliases
-    from ds_paci.core.lookahead import lookahead_for_torch_optimizer
+    from ds_paci.core.step.local_step import ParamAliases
+    from ds_paci.core.lookahead.predict import lookahead_for_torch_optimizer
     gen = torch.Generator(device="cpu").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(device)) for n in (257, 4096, 33)]
     opt = optimizer_factory(params)

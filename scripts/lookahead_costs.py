@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from ds_paci.core.local_step import ParamAliases, clip_by_norm, stage_grad_norm  # noqa: E402
-from ds_paci.core.lookahead import lookahead_for_torch_optimizer  # noqa: E402
+from ds_paci.core.step.local_step import ParamAliases, clip_by_norm, stage_grad_norm  # noqa: E402
+from ds_paci.core.lookahead.predict import lookahead_for_torch_optimizer  # noqa: E402
 from ds_paci.workload.data import ByteTokenizer, MicroBatchIterator, encode_documents, load_corpus  # noqa: E402
 from ds_paci.workload.gpt2 import Block, gpt2_config, gpt2_reference_model, lm_loss  # noqa: E402
 

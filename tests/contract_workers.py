@@ -29,7 +29,7 @@ def loss_ages(values, last_values):
 # -- the side channel alone --------------------------------------------------------------------
 def channel_exchange(rank, world, calls):
     """The last rank publishes ``calls`` messages; the others poll without waiting, then wait for the last one."""
-    from ds_paci.core.loss_channel import KEEP_SENDS, LossChannel, pipeline_groups
+    from ds_paci.core.engine.loss_channel import KEEP_SENDS, LossChannel, pipeline_groups
 
     class Grid:
         pipe_groups = [list(range(world))]

@@ -127,7 +127,7 @@ def every_path_checked_and_resumed(rank, save_dir, paths=PATHS):
         if path == "bf16":
             # DeepSpeed 0.19.8's own engine cannot load a BF16_Optimizer (ZeRO stage 0) checkpoint (KeyError in
             # _load_legacy_checkpoint; the stock engine too): take the open window out and put it back instead
-            from ds_paci.core import window_state
+            from ds_paci.core.step import window_state
             engine = mlp_engine(2, 2, {"accumulation_window": 3}, path=path)
             for c in range(2):
                 engine.train_batch(feed(engine, c))

@@ -1,7 +1,7 @@
 """Per-rank bodies of the fault-suite tests (run through ``harness.run_world``).
 
 Real DeepSpeed engines (a 2-stage MLP pipeline with DeepSpeed's AdamW, whose state is
-saved too) over gloo; faults are injected through :func:`ds_paci.core.checkpoint.set_fault_hook`
+saved too) over gloo; faults are injected through :func:`ds_paci.core.checkpoint.atomic.set_fault_hook`
 (a rank kills itself with SIGKILL at a chosen disk step of a save, or copies the whole
 checkpoint folder there: the state a kill at that moment leaves behind).
 """
@@ -13,7 +13,8 @@ import signal
 import torch
 
 import ds_paci
-from ds_paci.core import checkpoint, lifecycle
+from ds_paci.core.checkpoint import atomic as checkpoint
+from ds_paci.core.health import lifecycle
 from mlp import mlp_pipeline, regression_batches
 from workers import ds_config, stage_weights
 

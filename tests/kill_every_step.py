@@ -27,7 +27,7 @@ from harness import run_world  # noqa: E402
 
 def record_events(rank, root, resave):
     """The disk steps each rank goes through in the save after ``A`` (no kill)."""
-    from ds_paci.core import checkpoint
+    from ds_paci.core.checkpoint import atomic as checkpoint
     save_dir = os.path.join(root, "ckpt")
     engine = fault_workers.mlp_engine()
     data = fault_workers.regression_batches(2)

@@ -9,8 +9,8 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.utils import logger as ds_logger
 
 import ds_paci
-from ds_paci.core.program import Kind
-from ds_paci.core.schedule import PACIStream
+from ds_paci.core.program.actions import Kind
+from ds_paci.core.program.stream import PACIStream
 from deepspeed.runtime.pipe import schedule as ds
 from mlp import DIM, TanhLayer, layer_weights, mlp_pipeline, mse, regression_batches
 from workers import MICRO, ds_config
@@ -36,7 +36,7 @@ def _max_diff(a, b):
 
 
 def _reference_adamw(real, grad, state, group, n, window):
-    """The look-ahead's prediction for AdamW written out independently (float64): see ds_paci.core.lookahead."""
+    """The look-ahead's prediction for AdamW written out independently (float64): see ds_paci.core.lookahead.predict."""
     b1, b2 = group["betas"]
     lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
     if state and "exp_avg" in state:

@@ -68,7 +68,7 @@ def regression_batches(micro_batch_size, seed=3, dim=DIM):
 
 
 def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, on_step, stale=False):
-    """Execute the PACI streams of the tanh MLP by hand (no autograd; :func:`ds_paci.core.program_run.run_program`
+    """Execute the PACI streams of the tanh MLP by hand (no autograd; :func:`ds_paci.core.program.interpreter.run_program`
     orders the actions); returns the last stage's losses.
 
     ``W``/``gW``: per layer ``[weight, bias]`` (float64) and their gradient accumulators, changed in
@@ -80,9 +80,9 @@ def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, 
     """
     from deepspeed.runtime.pipe import schedule as ds
 
-    from ds_paci.core.program import Kind
-    from ds_paci.core.program_run import Handler, run_program
-    from ds_paci.core.schedule import PACIStream
+    from ds_paci.core.program.actions import Kind
+    from ds_paci.core.program.interpreter import Handler, run_program
+    from ds_paci.core.program.stream import PACIStream
     per_stage = layers // P
     gen = regression_batches(micro_batch_size)
     batches, saved, acts, grads, losses = {}, {}, {}, {}, []

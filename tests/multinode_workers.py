@@ -13,7 +13,7 @@ import os
 import torch
 
 import ds_paci
-from ds_paci.core import checkpoint
+from ds_paci.core.checkpoint import atomic as checkpoint
 from ds_paci.tools.local_nodes import private_mount
 from mlp import mlp_pipeline, regression_batches
 from workers import ds_config, stage_weights

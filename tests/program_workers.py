@@ -6,7 +6,7 @@ import types
 import torch
 
 import ds_paci
-from ds_paci.core.program import format_stage, parse_stage
+from ds_paci.core.program.actions import format_stage, parse_stage
 from ds_paci.workload.data import MicroBatchIterator
 from workers import MICRO, SEQ, _as_float, ds_config, shakespeare_tokens, stage_weights, tiny_gpt
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from ds_paci.core import compat
+from ds_paci.core.seam import compat
 
 ROOT = Path(__file__).resolve().parent.parent
 

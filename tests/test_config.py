@@ -6,7 +6,7 @@ import pytest
 
 import workers
 from harness import run_world
-from ds_paci.core import compat
+from ds_paci.core.seam import compat
 from ds_paci.core.config import PACIConfig, PACIConfigError, load_config, parse_paci_section
 
 
@@ -27,7 +27,7 @@ def test_defaults_and_valid_section():
 
 def test_auto_window_keeps_drift_at_most_one_on_every_stage_within_its_floors():
     from ds_paci.core.config import auto_window
-    from ds_paci.core.schedule import drift_bound
+    from ds_paci.core.program.stream import drift_bound
     auto = parse_paci_section({"enabled": True, "accumulation_window": "auto"})
     for P in range(2, 17):
         for M in range(1, 33):
@@ -128,7 +128,7 @@ def test_auto_window_is_per_stage_unless_tied_layers_span_stages_or_sync_mode():
     import torch
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    from ds_paci.core.engine import PACIPipelineEngine
+    from ds_paci.core.engine.pipeline_engine import PACIPipelineEngine
 
     def engine(stage, tied, sync=False):
         layer = torch.nn.Identity

@@ -10,7 +10,7 @@ import pytest
 
 import contract_workers
 from harness import run_world
-from ds_paci.core import compat
+from ds_paci.core.seam import compat
 
 
 def loss_bound(stages, stage, gas):

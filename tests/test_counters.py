@@ -13,9 +13,9 @@ import pytest
 
 import counter_workers
 from harness import run_world
-from ds_paci.core import compat
+from ds_paci.core.seam import compat
 
-ENV = "DS_PACI_CHECK_COLLECTIVES"  # ds_paci.core.collective_guard.ENV, spelled out: it is part of the contract
+ENV = "DS_PACI_CHECK_COLLECTIVES"  # ds_paci.core.seam.collective_guard.ENV, spelled out: it is part of the contract
 
 
 def assert_same_weights(a, b, what):
@@ -119,13 +119,13 @@ def test_a_cross_stage_collective_in_a_local_step_is_refused_with_one_line():
     assert set(status.values()) == {"error"}, status  # every rank ends with an exception: none hangs
     refusals = [o for o in out.values() if "CrossStageCollectiveError" in o]
     assert refusals, out
-    line = next(l for l in refusals[0].splitlines() if l.startswith("ds_paci.core.collective_guard"))
+    line = next(l for l in refusals[0].splitlines() if l.startswith("ds_paci.core.seam.collective_guard"))
     assert "all_reduce on a group of ranks [0, 1] (stages [0, 1]) inside its first local step" in line
     assert f"checked because {ENV}=1" in line and "Fix: install a tested DeepSpeed (pip install 'deepspeed>=" in line
 
 
 def test_when_the_collective_check_runs():
-    from ds_paci.core.collective_guard import ENV as env, check_reason
+    from ds_paci.core.seam.collective_guard import ENV as env, check_reason
     assert env == ENV
     newest = compat.SUPPORTED[1]
     assert check_reason(newest, {}) is None  # the newest tested version: not checked

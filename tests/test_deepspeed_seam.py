@@ -1,4 +1,4 @@
-"""DeepSpeed's internals are reached through one module, :mod:`ds_paci.core.deepspeed_internals` (the seam).
+"""DeepSpeed's internals are reached through one module, :mod:`ds_paci.core.seam.deepspeed_internals` (the seam).
 
 The rules the scan enforces, on every ``.py`` file of ``ds_paci/``, ``launch/`` and ``scripts/`` except the seam:
 
@@ -12,10 +12,10 @@ The rules the scan enforces, on every ``.py`` file of ``ds_paci/``, ``launch/`` 
    own and is not reported anywhere (``_stream``, ``_lock``, ``_post``, ... name different things in
    DeepSpeed's unrelated classes). A name a ds_paci *subclass of a DeepSpeed class* (the engine) defines is no
    exemption: if DeepSpeed's base classes define it too, the subclass overrides or overwrites DeepSpeed's own
-   member, so it must be a declared override (:data:`~ds_paci.core.deepspeed_internals.OVERRIDDEN_ENGINE_METHODS`)
+   member, so it must be a declared override (:data:`~ds_paci.core.seam.deepspeed_internals.OVERRIDDEN_ENGINE_METHODS`)
    and never a field (test 2). Accesses through an imported module that is not DeepSpeed's (``os._exit``,
    ``torch._foreach_mul``) and the namedtuple API (``_replace``, ``_asdict``, ...) are not DeepSpeed names.
-3. **Internal fields** (:data:`~ds_paci.core.deepspeed_internals.INTERNAL_FIELDS`, public names of DeepSpeed's
+3. **Internal fields** (:data:`~ds_paci.core.seam.deepspeed_internals.INTERNAL_FIELDS`, public names of DeepSpeed's
    objects that are not its documented API): an attribute access ``x.field`` or ``getattr(x, "field")``,
    except ``self.field`` inside a ds_paci class that is not a DeepSpeed subclass (that class's own field) and
    the seam's own functions (``ds.clip_grad(...)``).
@@ -29,12 +29,12 @@ import importlib
 import inspect
 import pathlib
 
-from ds_paci.core import deepspeed_internals
+from ds_paci.core.seam import deepspeed_internals
 from harness import run_world
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCANNED = ("ds_paci", "launch", "scripts")
-SEAM = ROOT / "ds_paci" / "core" / "deepspeed_internals"  # the seam: one package (the list in its __init__)
+SEAM = ROOT / "ds_paci" / "core" / "seam" / "deepspeed_internals"  # the seam: one package (the list in its __init__)
 SEAM_FILES = sorted(SEAM.glob("*.py"))
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
 ACCESSORS = {"getattr", "hasattr", "setattr", "delattr"}
@@ -231,13 +231,13 @@ def test_the_private_name_set_comes_from_deepspeeds_source():
 
 def test_no_deepspeed_internal_is_used_outside_the_seam():
     found = violations()
-    assert not found, (f"{len(found)} use(s) of DeepSpeed internals outside ds_paci/core/deepspeed_internals/ "
+    assert not found, (f"{len(found)} use(s) of DeepSpeed internals outside ds_paci/core/seam/deepspeed_internals/ "
                        "(add a named function there and call it):\n" + "\n".join(found))
 
 
 def _engine_class_members():
     """Methods and ``self.<field>`` assignments of the PACI engine and of its parts (its ds_paci base classes)."""
-    from ds_paci.core.engine import PACIPipelineEngine
+    from ds_paci.core.engine.pipeline_engine import PACIPipelineEngine
     methods, fields = set(), set()
     for part in PACIPipelineEngine.__mro__:
         if part.__module__.split(".")[0] != "ds_paci":

@@ -10,8 +10,8 @@ import contract_workers
 import workers
 from harness import run_world
 from mlp import layer_weights, run_streams_by_hand
-from ds_paci.core import compat
-from ds_paci.core.schedule import drift_bound
+from ds_paci.core.seam import compat
+from ds_paci.core.program.stream import drift_bound
 from spy import POINT_TO_POINT, cross_stage_collectives, pipeline_transfers, side_channel_transfers
 
 
@@ -162,7 +162,7 @@ def test_micro_batches_crossing_a_local_step_get_the_paci_gradient(stages, windo
     """The engine's weights equal a hand-written PACI run: current-weight backward, gradients averaged over the window.
 
     window = gas (3-2) tells the mean over the window from DeepSpeed's own scaling, which differs by version
-    (the stock pipeline sums micro-batches before DeepSpeed 0.18.3; see ds_paci.core.compat).
+    (the stock pipeline sums micro-batches before DeepSpeed 0.18.3; see ds_paci.core.seam.compat).
     """
     layers, gas, calls, lr = 2 * stages, 2, 5, 0.2
     results = run_world(workers.mlp_training, stages, stages, layers, gas, window, calls, lr, timeout=180,

@@ -72,8 +72,8 @@ def part_of(module):
 
 def test_the_graph_is_read_correctly(graph):
     # guards against a parser that silently finds nothing: known edges must be there
-    assert "ds_paci.core.schedule" in graph["ds_paci.core.engine"]
-    assert "ds_paci.core.engine" in graph["ds_paci.core.initialize"]
+    assert "ds_paci.core.program.stream" in graph["ds_paci.core.engine.pipeline_engine"]
+    assert "ds_paci.core.engine.pipeline_engine" in graph["ds_paci.core.initialize"]
     assert "ds_paci.tools.records" in graph["ds_paci.tools.simulate"]
     assert "ds_paci.workload.emulate" in graph["ds_paci.workload.gpt2"]
     assert "ds_paci.tools.bench.config" in graph["ds_paci.tools.bench.runner"]
@@ -105,6 +105,59 @@ def test_dependencies_point_one_way(graph):
     wrong = [(src, dst) for src, targets in graph.items() for dst in targets
              if part_of(dst) in FORBIDDEN.get(part_of(src), set())]
     assert not wrong, "imports against the layering: " + ", ".join(f"{s} -> {d}" for s, d in wrong)
+
+
+# core's packages (and top-level modules) -> the other parts of core each may import. One rule per package: the
+# program is pure data, the seam and health stand alone, the engine is the only package that sees every concern.
+CORE_RULES = {
+    "program": set(),
+    "seam": set(),
+    "health": set(),
+    "step": {"seam"},
+    "checkpoint": {"seam", "health"},
+    "tied": {"program", "seam", "step"},
+    "lookahead": {"seam", "step"},
+    "engine": {"program", "seam", "step", "tied", "lookahead", "checkpoint", "health", "config"},
+    "config": {"seam", "tied"},
+    "runtime": set(),
+    "initialize": {"engine", "config", "health", "seam", "runtime"},
+}
+
+
+def core_package(module):
+    """``ds_paci.core.step.guard`` -> ``step``; ``ds_paci.core.config`` -> ``config``; None outside core."""
+    parts = module.split(".")
+    if parts[:2] != ["ds_paci", "core"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def core_arrows(graph):
+    """{(package, package)}: every import between two different packages of core."""
+    return {(core_package(src), core_package(dst)) for src, targets in graph.items() for dst in targets
+            if core_package(src) and core_package(dst) and core_package(src) != core_package(dst)}
+
+
+def test_every_core_module_is_in_a_package_with_a_rule(graph):
+    unruled = sorted({core_package(m) for m in graph if core_package(m)} - set(CORE_RULES))
+    assert not unruled, f"core packages or modules without an import rule in CORE_RULES: {unruled}"
+
+
+def test_core_packages_import_only_what_their_rule_allows(graph):
+    assert ("engine", "program") in core_arrows(graph)  # the reader sees arrows at all
+    wrong = sorted((src, dst) for src, dst in core_arrows(graph) if dst not in CORE_RULES[src])
+    assert not wrong, "core imports against the package rules: " + ", ".join(f"{s} -> {d}" for s, d in wrong)
+
+
+def test_the_program_imports_no_torch_or_deepspeed_at_module_level():
+    """The program is data: the simulator and the validator run it without torch or DeepSpeed installed."""
+    offenders = []
+    for path in sorted((PACKAGE / "core" / "program").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("torch", "deepspeed")]
+    assert not offenders, offenders
 
 
 def test_entry_points_do_not_edit_sys_path():

@@ -9,10 +9,10 @@ import torch
 
 import workers
 from harness import run_world
-from ds_paci.core.lookahead import AdamRule, LookAhead, _Slot, adam_update
-from ds_paci.core.program import Kind
-from ds_paci.core.schedule import PACIStream, crosses_local_step
-from ds_paci.core.validate import stream_violations
+from ds_paci.core.lookahead.predict import AdamRule, LookAhead, _Slot, adam_update
+from ds_paci.core.program.actions import Kind
+from ds_paci.core.program.stream import PACIStream, crosses_local_step
+from ds_paci.core.program.validate import stream_violations
 
 
 # -- pure: the predictor equals the optimizer's next step given the complete window's gradient ----------------

@@ -5,10 +5,10 @@ optimizer does not step are not moved. (The engine paths: tests/test_lookahead.p
 import pytest
 import torch
 
-from ds_paci.core.local_step import ParamAliases
-from ds_paci.core.lookahead import FALLBACK, LookAhead, lookahead_for_torch_optimizer
-from ds_paci.core.lookahead_rules import SUPPORTED, rule_reader
-from ds_paci.core.lookahead_slots import Slot
+from ds_paci.core.step.local_step import ParamAliases
+from ds_paci.core.lookahead.predict import FALLBACK, LookAhead, lookahead_for_torch_optimizer
+from ds_paci.core.lookahead.rules import SUPPORTED, rule_reader
+from ds_paci.core.lookahead.slots import Slot
 
 MIXED = ((7, 5), (5, ), (3, 4, 2))
 MATRICES = ((7, 5), (4, 9), (6, 6))

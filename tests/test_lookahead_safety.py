@@ -6,8 +6,8 @@ import torch
 
 import lookahead_workers as lw
 from harness import run_world
-from ds_paci.core.local_step import ParamAliases
-from ds_paci.core.lookahead import PACILookAheadError, lookahead_for_torch_optimizer
+from ds_paci.core.step.local_step import ParamAliases
+from ds_paci.core.lookahead.predict import PACILookAheadError, lookahead_for_torch_optimizer
 
 
 def _stepped_two_groups(restore):

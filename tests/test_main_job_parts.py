@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_paci.core import compat
+from ds_paci.core.seam import compat
 from ds_paci.core.config import PACIConfigError, check_accumulation_window
 from ds_paci.mainjob import inputs
 from ds_paci.mainjob.loop import Cadence

@@ -17,8 +17,8 @@ import pytest
 
 import multinode_workers
 from harness import run_world
-from ds_paci.core import checkpoint
-from ds_paci.core import checkpoint_choice as choice
+from ds_paci.core.checkpoint import atomic as checkpoint
+from ds_paci.core.checkpoint import choice
 from ds_paci.tools.local_nodes import Node, free_port, node_command, stop_all, write_hostfile
 from ds_paci.tools.savekill import ROOT, TINY, small_corpus, step_of
 

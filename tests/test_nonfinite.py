@@ -6,14 +6,14 @@ A NaN micro-batch is injected by a test-only wrapper around the model's loss (co
 import math
 
 import contract_workers
-from ds_paci.core import compat
+from ds_paci.core.seam import compat
 from harness import run_world
 
 
 def test_a_nan_micro_batch_is_skipped_on_every_stage_never_applied():
     stages, gas, calls, bad = 2, 2, 6, 5  # micro-batch 5 lies in window 2 (micro-batches 4, 5): local step 3
     cases = ["torch.optim", "configured-AdamW", "bf16", "zero1"]  # DeepSpeed's wrappers skip by themselves
-    # only from 0.19.8; before, PACI checks their gradients (ds_paci.core.compat)
+    # only from 0.19.8; before, PACI checks their gradients (ds_paci.core.seam.compat)
     if compat.DS_BF16_GETS_UNFUSED:
         cases.remove("bf16")  # refused on this DeepSpeed version (asserted by test_config)
     results = run_world(contract_workers.nonfinite_guard, stages, stages, gas, calls, bad, cases, timeout=300)

@@ -2,8 +2,8 @@
 
 import pytest
 
-from ds_paci.core.program import Kind, parse_program
-from ds_paci.core.program_run import Handler, run_program
+from ds_paci.core.program.actions import Kind, parse_program
+from ds_paci.core.program.interpreter import Handler, run_program
 
 
 class Timed(Handler):

@@ -3,7 +3,7 @@
 import dataclasses
 import json
 
-from ds_paci.core.schedule import drift_bound
+from ds_paci.core.program.stream import drift_bound
 from ds_paci.tools.quality import grid, report, sweep
 
 

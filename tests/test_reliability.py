@@ -23,7 +23,8 @@ import torch
 import fault_workers
 import reliability_cases
 from harness import run_world
-from ds_paci.core import checkpoint, lifecycle
+from ds_paci.core.checkpoint import atomic as checkpoint
+from ds_paci.core.health import lifecycle
 from ds_paci.core.config import PACIConfigError, check_accumulation_window, parse_paci_section
 from ds_paci.tools.savekill import TINY, Run, kill_during_save, small_corpus, step_of
 
@@ -254,8 +255,8 @@ def test_signal_to_runner_or_launcher_ends_every_rank(tmp_path, target, sig):
 
 
 def _lifecycle_script(body):
-    """A Python program that loads ds_paci/core/lifecycle.py alone (stdlib only: starts in a fraction of a second)."""
-    path = os.path.join(ROOT, "ds_paci", "core", "lifecycle.py")
+    """A Python program that loads ds_paci/core/health/lifecycle.py alone (stdlib only: starts in a fraction of a second)."""
+    path = os.path.join(ROOT, "ds_paci", "core", "health", "lifecycle.py")
     return textwrap.dedent(f"""
         import importlib.util, os, signal, sys, time, ctypes
         spec = importlib.util.spec_from_file_location("lifecycle", {path!r})

@@ -3,8 +3,8 @@ tests/test_replay_engine.py)."""
 
 import torch
 
-from ds_paci.core.program import Kind
-from ds_paci.core.schedule import PACIStream
+from ds_paci.core.program.actions import Kind
+from ds_paci.core.program.stream import PACIStream
 from ds_paci.tools.replay import replay, stage_slices
 from ds_paci.workload.data import ByteTokenizer, MicroBatchIterator, encode_documents, load_corpus
 from ds_paci.workload.gpt2 import gpt2_config, gpt2_reference_model, lm_loss

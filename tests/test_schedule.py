@@ -6,10 +6,10 @@ import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
 from ds_paci.tools.simulate import simulate
-from ds_paci.core.passes import defer_steps
-from ds_paci.core.program import Action, Kind, format_action, from_deepspeed, parse_action
-from ds_paci.core.schedule import PACIStream, drift_bound, format_stream, parse_stream
-from ds_paci.core.validate import pairing_violations, stream_violations
+from ds_paci.core.program.passes import defer_steps
+from ds_paci.core.program.actions import Action, Kind, format_action, from_deepspeed, parse_action
+from ds_paci.core.program.stream import PACIStream, drift_bound, format_stream, parse_stream
+from ds_paci.core.program.validate import pairing_violations, stream_violations
 
 
 def plain(ticks):

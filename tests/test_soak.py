@@ -10,7 +10,7 @@ import math
 import os
 
 import reliability_cases
-from ds_paci.core.checkpoint import COMPLETE, read_latest, verify
+from ds_paci.core.checkpoint.atomic import COMPLETE, read_latest, verify
 from ds_paci.tools import soak
 
 CALLS, EVERY, SAMPLE = 120, 40, 10

@@ -10,9 +10,9 @@ import tied_workers
 import workers
 from harness import run_world
 from spy import COLLECTIVES, POINT_TO_POINT, cross_stage_collectives
-from ds_paci.core.schedule import PACIStream
-from ds_paci.core.tied_timing import minimal_tied_lag, tied_lag, tied_wait_violations
-from ds_paci.core.watchdog import Watchdog
+from ds_paci.core.program.stream import PACIStream
+from ds_paci.core.program.tied_timing import minimal_tied_lag, tied_lag, tied_wait_violations
+from ds_paci.core.health.watchdog import Watchdog
 from mlp import layer_weights, run_streams_by_hand
 from test_engine import max_weight_diff
 
@@ -105,7 +105,7 @@ def test_simulated_tied_waits_cost_nothing_at_lag_l_and_stall_or_deadlock_below(
 
 
 def test_the_watchdog_names_what_an_instruction_waits_for():
-    from ds_paci.core.program import Action, Kind, format_action
+    from ds_paci.core.program.actions import Action, Kind, format_action
     dog = Watchdog(0, lambda: "rank 1 (stage 1 of 2)", lambda a: format_action(a, facts=False))
     dog.enter(Action(1, Kind.STEP, version=3), 17)
     dog.note("waiting for the tied gradients of weight version 2 (keys ['embed']) from rank 0 (stage 0)")

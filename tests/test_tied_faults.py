@@ -7,7 +7,7 @@ import torch
 
 import nccl_model
 import tied_workers
-from ds_paci.core.tied import posting_order
+from ds_paci.core.tied.weights import posting_order
 from harness import run_world
 from spy import cross_stage_collectives
 

@@ -307,7 +307,7 @@ def initialize_errors(rank):
                                     config=ds_config(2, paci, zero_optimization={"stage": 1}))
     out["zero1_type"] = type(engine).__name__
     out["zero1_clip"] = engine.gradient_clipping()
-    # bf16: what this DeepSpeed's stock engine builds, and whether PACI accepts it (ds_paci.core.compat, item 3)
+    # bf16: what this DeepSpeed's stock engine builds, and whether PACI accepts it (ds_paci.core.seam.compat, item 3)
     bf = mlp_pipeline(2)
     engine, *_ = ds_paci.initialize(model=bf, model_parameters=bf.parameters(), config=ds_config(2, bf16=True))
     out["bf16_stock_optimizer"] = type(engine.optimizer).__name__

@@ -30,9 +30,9 @@ Keys (every one optional except ``enabled``):
     steps at least once every 64 ``train_batch`` calls (:func:`check_accumulation_window`);
     a larger window is refused, not warned about.
 ``lookahead`` (bool, default true)
-    Window-informed look-ahead (:mod:`ds_paci.core.lookahead`): a forward that will cross
+    Window-informed look-ahead (:mod:`ds_paci.core.lookahead.predict`): a forward that will cross
     its stage's next local step runs on a prediction of the next weights (Adam/AdamW, SGD,
-    Muon: :mod:`ds_paci.core.lookahead_rules`; gradient clipping included), which are
+    Muon: :mod:`ds_paci.core.lookahead.rules`; gradient clipping included), which are
     restored right after it. Other optimizers run plain PACI (one log line says so).
 ``lookahead_restore`` (``"copy"`` or ``"recompute"``, default ``"copy"``)
     How fp32 weights stepped directly by the optimizer get back after a predicted
@@ -49,7 +49,7 @@ Keys (every one optional except ``enabled``):
     A stage that waits longer than this inside one instruction prints where it is
     stuck (rank, stage, instruction, tick) and aborts, instead of hanging.
 ``max_consecutive_skips`` (int >= 0, default 5; 0 never stops)
-    Async mode skips a local step whose gradient is not finite (see :mod:`ds_paci.core.guard`); after
+    Async mode skips a local step whose gradient is not finite (see :mod:`ds_paci.core.step.guard`); after
     this many skips in a row at one stage, every rank stops with one line naming the stage and the step.
 ``trace`` (bool, default false)
     Record start and end time of every instruction (for timelines); the most recent
@@ -57,7 +57,7 @@ Keys (every one optional except ``enabled``):
 ``trace_dir`` (path, default none)
     Where ``engine.write_trace()`` writes ``trace_rank<R>.jsonl`` when called without a path.
 ``check_tied_copies`` (bool, default false)
-    With tied layers on several stages (see :mod:`ds_paci.core.tied`): after every drain and
+    With tied layers on several stages (see :mod:`ds_paci.core.tied.weights`): after every drain and
     after loading a checkpoint, the owning stages compare digests of their copies (weights and
     optimizer state) point to point and raise if any bit differs. A debugging aid (it hashes the
     tied parameters and their optimizer state at every drain); the tests turn it on.
@@ -300,7 +300,7 @@ def validate_run(ds_config, model, paci):
     """
     from deepspeed.runtime.pipe.module import PipelineModule
 
-    from . import compat
+    from .seam import compat
     compat.check_version()
     if not isinstance(model, PipelineModule):
         raise PACIConfigError(f'"paci.enabled" needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}; '
@@ -313,7 +313,7 @@ def validate_run(ds_config, model, paci):
     if reason:
         raise PACIConfigError(reason)
     if not paci.drain_every_batch:
-        from .tied_layout import tied_arrangement_problem
+        from .tied.layout import tied_arrangement_problem
         tied = tied_arrangement_problem(ds_config, model)
         if tied:
             raise PACIConfigError(tied)
@@ -326,7 +326,7 @@ def engine_config(args, kwargs):
     ``deepspeed.initialize`` passes ``config`` (dict or path) and the parsed ``config_class``;
     ``args.deepspeed_config`` is the legacy route.
     """
-    from . import deepspeed_internals  # imports DeepSpeed: not at module level (launchers check configs without it)
+    from .seam import deepspeed_internals  # imports DeepSpeed: not at module level (launchers check configs without it)
     config_class = kwargs.get("config_class")
     raw = None if config_class is None else deepspeed_internals.config_class_param_dict(config_class)
     if raw is not None:

@@ -4,11 +4,11 @@ import contextlib
 import copy
 import inspect
 
-from . import compat
+from .seam import compat
 from .config import load_config, parse_paci_section, validate_run
-from .engine import PACIPipelineEngine
-from .lifecycle import watch_launchers
-from .liveness import watch_peers
+from .engine.pipeline_engine import PACIPipelineEngine
+from .health.lifecycle import watch_launchers
+from .health.liveness import watch_peers
 from .runtime import skip_cpu_jit_ops
 
 
@@ -16,7 +16,7 @@ from .runtime import skip_cpu_jit_ops
 def _pipeline_engine_class(cls):
     """Make ``deepspeed.initialize`` build ``cls`` for a PipelineModule, for the duration of the block.
 
-    DeepSpeed (every supported version, see :mod:`ds_paci.core.compat`) looks the class up as the module
+    DeepSpeed (every supported version, see :mod:`ds_paci.core.seam.compat`) looks the class up as the module
     global ``deepspeed.PipelineEngine`` at call time, so a scoped rebind keeps every other step of initialize
     intact.
     """
@@ -46,9 +46,9 @@ def initialize(args=None,
 
     Raises :class:`PACIConfigError` (on every rank, before any engine is built) when
     the ``paci`` section or its combination with the run cannot be honoured. Also starts
-    :func:`ds_paci.core.lifecycle.watch_launchers` (for any engine): a rank whose launcher
+    :func:`ds_paci.core.health.lifecycle.watch_launchers` (for any engine): a rank whose launcher
     process dies stops instead of training on as an orphan; and, when the ranks span several
-    nodes, :func:`ds_paci.core.liveness.watch_peers`: a lost node ends every other rank.
+    nodes, :func:`ds_paci.core.health.liveness.watch_peers`: a lost node ends every other rank.
     """
     import deepspeed
     kwargs = dict(model=model,

@@ -24,7 +24,7 @@ Contract:
   already routing goes straight to the original.
 * DeepSpeed's CPU shared-memory op build is skipped as in ``ds_paci.initialize`` (for both engines).
 * Across nodes (one DeepSpeed launcher per node), ``ds_paci.initialize`` starts the peer watch
-  (:mod:`ds_paci.core.liveness`); a transfer that fails because a node was lost ends the rank with the watch's
+  (:mod:`ds_paci.core.health.liveness`); a transfer that fails because a node was lost ends the rank with the watch's
   line instead of the traceback.
 """
 
@@ -149,7 +149,7 @@ def main(argv=None):
         sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python script.py` has it
         runpy.run_path(target, run_name="__main__")
     except Exception as exc:
-        from ds_paci.core.liveness import exit_if_lost
+        from ds_paci.core.health.liveness import exit_if_lost
         exit_if_lost(exc)  # across nodes: a lost node's ranks are named by the peer watch, not a traceback
         raise
     return 0

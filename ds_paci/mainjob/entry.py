@@ -22,7 +22,7 @@ def run(argv=None):
     try:
         return main(argv)
     except Exception as e:
-        from ds_paci.core.guard import PACINonFiniteError
+        from ds_paci.core.step.guard import PACINonFiniteError
         if not isinstance(e, PACINonFiniteError):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -32,7 +32,7 @@ def run(argv=None):
 def end_process(code):
     """End this rank with ``code`` (see the module docstring); never returns."""
     if code != 1:  # ending on purpose (a crash is left for the peer watch to report as a lost rank)
-        from ds_paci.core.liveness import farewell
+        from ds_paci.core.health.liveness import farewell
         farewell()
     if code:  # an error or a stop: everything is saved and flushed; skip the interpreter's slow teardown
         sys.stdout.flush()
@@ -46,7 +46,7 @@ def run_script(argv=None):
     try:
         code = run(argv)
     except Exception as exc:
-        from ds_paci.core.liveness import exit_if_lost
+        from ds_paci.core.health.liveness import exit_if_lost
         exit_if_lost(exc)  # a transfer failed because a node was lost: the peer watch's line ends this rank
         import traceback
         traceback.print_exc()

@@ -1,7 +1,7 @@
 """Everything a rank of the main job checks before any process group exists, and the verdicts agreed across nodes.
 
 The config goes through core's own checks (``ds_paci.core.config``: the ``"paci"`` section, the batch keys,
-ZeRO's stage, fp16, the accumulation window; ``ds_paci.core.compat``: what the installed DeepSpeed refuses
+ZeRO's stage, fp16, the accumulation window; ``ds_paci.core.seam.compat``: what the installed DeepSpeed refuses
 under PACI), so a bad key gets the same line here as from ``ds_paci.initialize``, only before any process
 starts. ``validate_run`` itself needs the built ``PipelineModule`` (so a process group): the job calls its
 config-only checks, and ``ds_paci.initialize`` runs ``validate_run`` again on the model. What only the job
@@ -42,10 +42,10 @@ def _core(check, *args):
 
 def check_config(ds_config, world_size, stages, config_path, tie_embeddings=False):
     """The DeepSpeed config keys the job needs, named by their keys; PACI refusals before any process starts."""
-    from ds_paci.core import compat
+    from ds_paci.core.seam import compat
     from ds_paci.core.config import (check_accumulation_window, check_batch_keys, check_fp16, check_zero_stage,
                                      parse_paci_section)
-    from ds_paci.core.tied import zero_offload_device
+    from ds_paci.core.tied.weights import zero_offload_device
     paci = _core(parse_paci_section, ds_config.get("paci"))
     _core(check_batch_keys, ds_config)
     _core(check_zero_stage, ds_config)
@@ -79,7 +79,7 @@ def check_config(ds_config, world_size, stages, config_path, tie_embeddings=Fals
 
 def _resume_plan(checkpoint_dir):
     """``(tag, note)`` for ``--resume`` as this rank's disk says (core's ``resume_tag``)."""
-    from ds_paci.core.checkpoint import CheckpointError, resume_tag
+    from ds_paci.core.checkpoint.atomic import CheckpointError, resume_tag
     if not os.path.isdir(checkpoint_dir):
         raise UsageError(f"--checkpoint-dir {checkpoint_dir} holds no checkpoint (no such folder); point it "
                          "at a directory an earlier run saved into, or drop --resume")
@@ -90,7 +90,7 @@ def _resume_plan(checkpoint_dir):
 
 
 def resume_refusal(error):
-    """The line for a :class:`~ds_paci.core.checkpoint.CheckpointError` met choosing what ``--resume`` loads."""
+    """The line for a :class:`~ds_paci.core.checkpoint.atomic.CheckpointError` met choosing what ``--resume`` loads."""
     return f"--checkpoint-dir {error}; point it at a folder an earlier run saved into, or drop --resume"
 
 
@@ -147,8 +147,8 @@ def agree_start(error, args):
     agreed over every rank's disk. A collective; returns ``(exit code or None, resume plan)``."""
     import torch.distributed as tdist
 
-    from ds_paci.core import checkpoint
-    from ds_paci.core.nodes import gather_node_map
+    from ds_paci.core.checkpoint import atomic as checkpoint
+    from ds_paci.core.health.nodes import gather_node_map
     nodes = gather_node_map()
     errors = [None] * tdist.get_world_size()
     tdist.all_gather_object(errors, None if error is None else str(error))

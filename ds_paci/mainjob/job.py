@@ -42,8 +42,8 @@ def _refuse(rank, error):
 
 def _install_stops(args):
     """During start-up a signal ends this rank at once; from the first step on it stops every rank at an agreed
-    step, drains, saves (with --checkpoint-dir) and exits 128+signal (see ds_paci.core.lifecycle)."""
-    from ds_paci.core import lifecycle
+    step, drains, saves (with --checkpoint-dir) and exits 128+signal (see ds_paci.core.health.lifecycle)."""
+    from ds_paci.core.health import lifecycle
     stopper = lifecycle.StopController(timeout=args.stop_timeout, graceful=False).install()
     lifecycle.watch_launchers()
     return stopper
@@ -141,7 +141,7 @@ def main(argv=None):
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    from ds_paci.core.nodes import launched_nodes
+    from ds_paci.core.health.nodes import launched_nodes
     across_nodes = launched_nodes() > 1  # disks and data paths may differ by node: verdicts are agreed (agree_start)
     error = checked = prepared = None
     try:

@@ -2,7 +2,7 @@
 
 :class:`Cadence` says, as pure arithmetic, after which steps the loop writes a progress line, validates
 and saves. :class:`TrainingLoop` runs one rank's part: the first validation, the steps, the periodic
-validations and saves, the stop every rank agrees on (``ds_paci.core.lifecycle``) and the end (drain,
+validations and saves, the stop every rank agrees on (``ds_paci.core.health.lifecycle``) and the end (drain,
 last validation, last save, the summary). The order of engine calls is the job's contract with the
 engine's results: the same flags give the same losses, bit for bit.
 """
@@ -67,7 +67,7 @@ class TrainingLoop:
     # -- what the loop does ------------------------------------------------------------------------
     def resume(self, tag, note):
         """Load ``tag`` from the checkpoint folder; False (the line said) when nothing could be loaded."""
-        from ds_paci.core import checkpoint
+        from ds_paci.core.checkpoint import atomic as checkpoint
         path, client = checkpoint.load_checkpoint(self.engine, self.checkpoint_dir, tag=tag)
         if path is None:
             self.reporter.say(f"error: could not load a checkpoint from {self.checkpoint_dir}")
@@ -106,7 +106,7 @@ class TrainingLoop:
         return val
 
     def save(self, step):
-        from ds_paci.core import checkpoint
+        from ds_paci.core.checkpoint import atomic as checkpoint
         checkpoint.save_checkpoint(self.engine, self.checkpoint_dir,
                                    client_state={"step": step, "data": self.data.state_dict()})
         self.saved_step = step
@@ -157,7 +157,7 @@ class TrainingLoop:
     # -- the run -----------------------------------------------------------------------------------
     def run(self):
         """The whole run from ``shape.start_step``; the rank's exit code (0, or an agreed stop's 128+signal)."""
-        from ds_paci.core import lifecycle
+        from ds_paci.core.health import lifecycle
         self.first_val = self.evaluate(self.shape.start_step)
         self.gather_stats(self.shape.start_step)
         self.metrics.start_window()

@@ -7,7 +7,7 @@ import argparse
 import math
 
 EXIT_USAGE = 2
-EXIT_NONFINITE = 3  # the non-finite guard stopped the run (see ds_paci.core.guard)
+EXIT_NONFINITE = 3  # the non-finite guard stopped the run (see ds_paci.core.step.guard)
 
 DESCRIPTION = "The main job: GPT-2 pipeline training on a real text corpus, with PACI or DeepSpeed's stock engine."
 

@@ -4,7 +4,7 @@ A *record* is one executed instruction of one rank::
 
     {"rank": 0, "stage": 0, "instr": "F3", "start": 1700000000.10, "end": 1700000000.12}
 
-``instr`` is an action's text form (:mod:`ds_paci.core.program`, the one vocabulary: ``F3``, ``B3``,
+``instr`` is an action's text form (:mod:`ds_paci.core.program.actions`, the one vocabulary: ``F3``, ``B3``,
 ``SA3``, ``RG3``, ``L3``, ``ACC3``, ``STEP1``, ``REDUCE_GRADS``/``REDUCE_TIED`` for stock DeepSpeed) without
 its bracketed facts (:func:`instr_text`), ``start``/``end`` are seconds (wall clock for engine traces, comparable
 across the processes of one machine). The engine writes one JSON-lines file per rank
@@ -18,7 +18,7 @@ import json
 import os
 import re
 
-from ds_paci.core.program import Kind, format_action
+from ds_paci.core.program.actions import Kind, format_action
 
 __all__ = ["COMPUTE_KINDS", "instr_text", "kind_of", "micro_batch_in", "load_records", "records_from_sim"]
 
@@ -32,7 +32,7 @@ COMPUTE_KINDS = ("forward", "backward", "step", "load")
 
 
 def instr_text(action):
-    """The record text of an :class:`~ds_paci.core.program.Action`: its text form without the bracketed facts
+    """The record text of an :class:`~ds_paci.core.program.actions.Action`: its text form without the bracketed facts
     (``F3[0,x]`` -> ``F3``, ``STEP2[lr2]`` -> ``STEP2``), as engines write it."""
     return format_action(action, facts=False)
 

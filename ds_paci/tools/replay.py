@@ -1,10 +1,10 @@
 """Single-process replay of PACI streams on the GPT-2 workload: the engine's semantics in one process.
 
 ``python -m ds_paci.tools.replay --job main --mode lookahead --lr 1.5e-3`` runs every stage's
-:class:`~ds_paci.core.schedule.PACIStream` tick by tick in one process, with the engine's
+:class:`~ds_paci.core.program.stream.PACIStream` tick by tick in one process, with the engine's
 semantics: a forward uses the stage's weights current at that moment (with ``--mode
 lookahead``, the look-ahead's prediction for forwards the stream tags ``crosses_step``, through
-the engine's own :class:`~ds_paci.core.lookahead.LookAhead`); a backward runs through the weights
+the engine's own :class:`~ds_paci.core.lookahead.predict.LookAhead`); a backward runs through the weights
 current at backward time (optimizers step on ``.data`` aliases); each stage takes its own
 optimizer step after every ``a`` backward passes (``a`` may differ per stage) and steps its LR
 scheduler ``lr_steps`` of the ``STEP`` action times (one per ``M`` micro-batches stepped); the last stage's
@@ -26,7 +26,7 @@ The engine's rules the replay mirrors, each in one place here:
 * the LR schedule: :func:`advance_lr_schedule` (the stream's rule: each ``STEP`` action carries
   ``lr_steps``, one scheduler step per ``M`` micro-batches stepped, so the schedule does not
   depend on the window);
-* the drain: :meth:`PACIStream.drain <ds_paci.core.schedule.PACIStream.drain>` itself decides
+* the drain: :meth:`PACIStream.drain <ds_paci.core.program.stream.PACIStream.drain>` itself decides
   what a drain steps (``close_window=False``, as ``eval_batch`` and saves: the partial window
   stays open; ``True`` at the end of training), so the replay follows the stream module;
   where the replay drains is :class:`Evaluation` (``drains=True``: before every validation, as
@@ -51,13 +51,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_paci.core import compat
+from ds_paci.core.seam import compat
 from ds_paci.core.config import PACIConfig, auto_window
-from ds_paci.core.local_step import ParamAliases
-from ds_paci.core.lookahead import lookahead_for_torch_optimizer
-from ds_paci.core.program import Kind
-from ds_paci.core.program_run import Handler, run_program
-from ds_paci.core.schedule import PACIStream
+from ds_paci.core.step.local_step import ParamAliases
+from ds_paci.core.lookahead.predict import lookahead_for_torch_optimizer
+from ds_paci.core.program.actions import Kind
+from ds_paci.core.program.interpreter import Handler, run_program
+from ds_paci.core.program.stream import PACIStream
 from ds_paci.workload.gpt2 import Block, gpt2_config, gpt2_reference_model, lm_loss
 
 MODES = ("sync", "paci", "lookahead")
@@ -248,7 +248,7 @@ def _scheduler_factory(schedule, steps, warmup, cos_min_ratio):
 
 
 class _Math(Handler):
-    """The replay's handler of :func:`~ds_paci.core.program_run.run_program`: every local action does its math."""
+    """The replay's handler of :func:`~ds_paci.core.program.interpreter.run_program`: every local action does its math."""
 
     def __init__(self, pipeline):
         self.pipeline = pipeline
@@ -314,7 +314,7 @@ class _Pipeline:
             stage.local_step(action.lr_steps)
 
     def execute(self, ticks):
-        """Run every stage's ``ticks`` on :func:`~ds_paci.core.program_run.run_program`, the engine's semantics:
+        """Run every stage's ``ticks`` on :func:`~ds_paci.core.program.interpreter.run_program`, the engine's semantics:
         a stage's forward runs after its activation arrived, a backward after its gradient did."""
         run = run_program(ticks, _Math(self))
         if not run.ok:

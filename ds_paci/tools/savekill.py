@@ -178,7 +178,7 @@ class Run(Launched):
 
 
 def staging_folders(ckpt_dir):
-    from ds_paci.core.checkpoint import HIDDEN_PREFIX
+    from ds_paci.core.checkpoint.atomic import HIDDEN_PREFIX
     try:
         return [n for n in os.listdir(ckpt_dir) if n.startswith(HIDDEN_PREFIX + "staging.")]
     except OSError:
@@ -231,7 +231,7 @@ def main(argv=None):
     p.add_argument("--dir", help="work folder (default: a new temporary folder)")
     p.add_argument("--out", help="write the summary as JSON here")
     args = p.parse_args(argv)
-    from ds_paci.core.checkpoint import read_latest, resume_tag
+    from ds_paci.core.checkpoint.atomic import read_latest, resume_tag
     rng = random.Random(args.seed)
     work = args.dir or tempfile.mkdtemp(prefix="savekill_")
     ckpt = os.path.join(work, "ckpt")

@@ -3,7 +3,7 @@ published bubble formulas and the comparison rows :mod:`ds_paci.tools.simulate` 
 
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from ds_paci.core.schedule import PACIStream
+from ds_paci.core.program.stream import PACIStream
 
 from .sim_cost import CostModel
 from .sim_tied import add_tied_exchange

@@ -5,7 +5,7 @@ The simulator is split by responsibility; this module keeps them importable from
 
 * :mod:`ds_paci.tools.sim_cost`: :class:`CostModel`, what every action costs;
 * :mod:`ds_paci.tools.sim_tied`: :class:`TiedExchange` and the pass placing the tied exchange on a program;
-* :mod:`ds_paci.tools.simulator`: :func:`simulate` (a timing handler of :mod:`ds_paci.core.program_run`, the
+* :mod:`ds_paci.tools.simulator`: :func:`simulate` (a timing handler of :mod:`ds_paci.core.program.interpreter`, the
   one interpreter of programs) and its results (:class:`SimResult`, :class:`Event`, :class:`Deadlock`, ...);
 * :mod:`ds_paci.tools.sim_programs`: stock and PACI programs, long-run periods, the published reference
   formulas and the comparison table.

@@ -1,11 +1,11 @@
-"""The simulator: a timing handler of :func:`ds_paci.core.program_run.run_program` under a :class:`CostModel`.
+"""The simulator: a timing handler of :func:`ds_paci.core.program.interpreter.run_program` under a :class:`CostModel`.
 
 Runs the very programs the engines execute, without processes or tensors: PACI's streams
 (:func:`ds_paci.tools.simulate.paci_programs`) and DeepSpeed's own ``TrainSchedule``
-(:func:`ds_paci.tools.simulate.stock_programs`, converted with :func:`ds_paci.core.program.from_deepspeed`),
+(:func:`ds_paci.tools.simulate.stock_programs`, converted with :func:`ds_paci.core.program.actions.from_deepspeed`),
 and measures bubble, in-flight activations, weight-version drift, tied waits and deadlocks.
 
-The execution semantics are the interpreter's (:mod:`ds_paci.core.program_run`): stages run their actions in
+The execution semantics are the interpreter's (:mod:`ds_paci.core.program.interpreter`): stages run their actions in
 order, tick boundaries are not barriers, p2p actions are blocking rendezvous (FIFO per link and direction), a
 ``TIED_APPLY`` waits for the other owners' posts, a deadlock names each stuck stage. This module adds time:
 
@@ -28,8 +28,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional
 
-from ds_paci.core.program import Action, Kind, from_deepspeed
-from ds_paci.core.program_run import Handler, run_program
+from ds_paci.core.program.actions import Action, Kind, from_deepspeed
+from ds_paci.core.program.interpreter import Handler, run_program
 
 from .records import COMPUTE_KINDS, instr_text
 from .sim_cost import CostModel
@@ -241,8 +241,8 @@ class _Timing(Handler):
 def simulate(programs, cost=None, *, drain_tick=None, tied=None):
     """Simulate ``programs`` (``programs[s]`` = stage ``s``'s list of ticks) under ``cost``.
 
-    ``programs`` hold :class:`~ds_paci.core.program.Action` ticks; a stage of DeepSpeed instructions (its own
-    ``TrainSchedule``) is converted with :func:`~ds_paci.core.program.from_deepspeed`.
+    ``programs`` hold :class:`~ds_paci.core.program.actions.Action` ticks; a stage of DeepSpeed instructions (its own
+    ``TrainSchedule``) is converted with :func:`~ds_paci.core.program.actions.from_deepspeed`.
 
     Never hangs: a deadlock is returned in :attr:`SimResult.deadlock` (call
     :meth:`SimResult.raise_for_errors` to turn it into :class:`DeadlockError`).

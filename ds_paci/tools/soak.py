@@ -117,7 +117,7 @@ def _tied_transfers(engine) -> dict:
 
 def _prune(save_dir: str, keep: int) -> None:
     """Remove all but the newest ``keep`` soak checkpoints (tags sort by call index); never the one ``latest`` names."""
-    from ds_paci.core.checkpoint import read_latest
+    from ds_paci.core.checkpoint.atomic import read_latest
     latest = read_latest(save_dir)
     tags = sorted(d for d in os.listdir(save_dir) if d.startswith(TAG_PREFIX))
     for tag in tags[:-keep]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from ds_paci.core.program import Kind
+from ds_paci.core.program.actions import Kind
 
 
 def _storage_of(tensor):
@@ -133,7 +133,7 @@ class ActivationMeter(SavedTensorMeter):
         if not (self._active and module.training and torch.is_grad_enabled()):
             return
         held = {key: entry[1] for key, entry in self._saved.items()}
-        from ds_paci.core import deepspeed_internals
+        from ds_paci.core.seam import deepspeed_internals
         buffers = deepspeed_internals.pipe_buffers(self._engine)
         for tensor in _tensors_in([list(slots) for slots in buffers.values()] + [output]):
             storage = _storage_of(tensor)
@@ -188,7 +188,7 @@ class StockInstructionTracer:
 
     :meth:`install` gives one engine its own instruction table, DeepSpeed's stock functions wrapped; DeepSpeed's
     class table (``PipelineEngine._INSTRUCTION_MAP``), and so every other engine, is left unchanged (the table
-    lives in :mod:`ds_paci.core.deepspeed_internals`). Records are taken while :attr:`active`.
+    lives in :mod:`ds_paci.core.seam.deepspeed_internals`). Records are taken while :attr:`active`.
     Micro-batch ids are counted per instruction type, which 1F1B executes in
     micro-batch order; the optimizer step prints as ``STEP<n>`` (n = steps so far).
     """
@@ -212,7 +212,7 @@ class StockInstructionTracer:
 
     def install(self, engine):
         """Time ``engine``'s stock instructions from now on (one tracer may serve several engines in turn)."""
-        from ds_paci.core import deepspeed_internals
+        from ds_paci.core.seam import deepspeed_internals
         table = {cls: self._timed(cls.__name__, fn) for cls, fn in deepspeed_internals.stock_instruction_map().items()}
         deepspeed_internals.set_engine_instruction_map(engine, table)
 

@@ -1,0 +1,101 @@
+"""Lowering passes: what the runtime used to reorder, placed on the program before it runs.
+
+A :class:`~ds_paci.core.program.stream.PACIStream` gives one call's ticks (``advance``, then ``drain`` when the
+call drains). The engine runs them only after :func:`lower_call`, so the program that
+:func:`ds_paci.core.program.validate.validate` checks, the simulator times and the text form prints is the one
+that executes. Each pass is a pure function from ticks to new ticks (actions are immutable):
+
+* :func:`defer_steps` (sync mode, ``drain_every_batch`` with ``a = M``): every ``STEP`` of the call moves
+  to the end of the call's last tick, as DeepSpeed's ``OptimizerStep`` ends its ``TrainSchedule``.
+* :func:`defer_tied_last_step` (a tied owner, async): the segment's last ``STEP`` of a drain moves into a
+  tick after the drain's last, marked ``in_drain``: every owner has posted its last window by then, so
+  its wait is free (:mod:`ds_paci.core.program.tied_timing`). A drain that leaves the window open (evaluation,
+  checkpoints) keeps a step that backward passes follow in place: the exchange carries it.
+* :func:`add_tied_exchange` (a tied owner, async): before each ``STEP v``, ``TPOST v`` (this owner posts
+  its window-``v`` tied gradient) and ``TAPPLY w...`` (the owners' totals it applies: the windows
+  ``<= v - L`` still pending; every pending one at the step of a closing drain, ``apply_all``). The engine
+  runs the post and the apply inside the local step that follows them (after the step's data-parallel
+  reduce, where the gradient is final), and refuses to run if its own bookkeeping of pending windows
+  disagrees with the program's.
+"""
+
+from .actions import Action, Kind
+
+__all__ = ["defer_steps", "defer_tied_last_step", "add_tied_exchange", "lower_call"]
+
+
+def defer_steps(ticks):
+    """Every ``STEP`` moved, in order, to the end of the last tick (none: ``ticks`` unchanged)."""
+    steps = [a for tick in ticks for a in tick if a.kind is Kind.STEP]
+    if not steps:
+        return ticks
+    out = [[a for a in tick if a.kind is not Kind.STEP] for tick in ticks]
+    out[-1] += steps
+    return out
+
+
+def defer_tied_last_step(ticks, carry):
+    """The drain's last ``STEP`` moved into a tick after the drain, marked ``in_drain`` (see the module docstring).
+
+    ``carry``: the drain leaves the window open; the step is then moved only if no backward pass follows it.
+    """
+    last, after = None, False
+    for t, tick in enumerate(ticks):
+        for n, a in enumerate(tick):
+            if a.kind is Kind.STEP:
+                last, after = (t, n), False
+            elif a.kind is Kind.BACKWARD:
+                after = True
+    if last is None or (carry and after):
+        return ticks
+    t, n = last
+    step = ticks[t][n]
+    out = [list(tick) for tick in ticks]
+    del out[t][n]
+    return out + [[step.with_(in_drain=True)]]
+
+
+def add_tied_exchange(ticks, pending, lag, carry):
+    """``TPOST``/``TAPPLY`` before every ``STEP`` of a tied owner (see the module docstring).
+
+    ``pending``: the windows posted and not yet applied when the ticks begin (a checkpoint or an open-window
+    drain carries them); ``lag``: ``L`` (:func:`ds_paci.core.program.tied_timing.tied_lag`); ``carry``: whether the
+    drain in ``ticks`` (if any) leaves the window open, so that even its last step applies only what the lag
+    allows. Returns the new ticks.
+    """
+    pending = sorted(pending)
+    out = []
+    for tick in ticks:
+        row = []
+        for a in tick:
+            if a.kind is Kind.STEP:
+                final = a.in_drain and not carry
+                pending.append(a.version)
+                due = list(pending) if final else [w for w in pending if w <= a.version - lag]
+                pending = [w for w in pending if w not in due]
+                row.append(Action(a.stage, Kind.TIED_POST, version=a.version, lag=lag, in_drain=a.in_drain))
+                if due:
+                    row.append(Action(a.stage, Kind.TIED_APPLY, windows=tuple(due), lag=lag, apply_all=final,
+                                      in_drain=a.in_drain))
+            row.append(a)
+        out.append(row)
+    return out
+
+
+def lower_call(ticks, drain_ticks=None, *, sync_steps=False, tied=None, carry=False):
+    """One call's program for one stage: the stream's ``ticks`` (``advance``), then ``drain_ticks`` if the call
+    drains, with the passes the stage needs.
+
+    ``sync_steps``: :func:`defer_steps` over the whole call. ``tied``: ``(pending, lag)`` on a tied owner in
+    async mode: :func:`defer_tied_last_step` over the drain, then :func:`add_tied_exchange` over the call.
+    """
+    drain_ticks = list(drain_ticks or [])
+    if tied is not None and drain_ticks:
+        drain_ticks = defer_tied_last_step(drain_ticks, carry)
+    program = list(ticks) + drain_ticks
+    if sync_steps:
+        program = defer_steps(program)
+    if tied is not None:
+        pending, lag = tied
+        program = add_tied_exchange(program, pending, lag, carry)
+    return program
