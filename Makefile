@@ -79,10 +79,10 @@ bench: $(STAMP)
 # (docs/results/peers/cells/*.json); the report is docs/results/peers.md. PEERS_ARGS="--cells P8_M8_fbw111" etc.
 PEERS_ARGS ?=
 peers: $(STAMP)
-	$(PY) -m ds_paci.tools.bench --study peers --out docs/results/peers $(PEERS_ARGS)
+	$(PY) -m ds_paci.tools.studies.peers --out docs/results/peers $(PEERS_ARGS)
 
 simulate: $(STAMP)
-	$(PY) -m ds_paci.tools.simulate --stages 2 4 8 --micro-batches 4 8 16
+	$(PY) -m ds_paci.tools.sim --stages 2 4 8 --micro-batches 4 8 16
 
 clean:
 	rm -rf $(VENV) $(OLD_VENV) runs .pytest_cache

@@ -3,7 +3,7 @@
 ``python scripts/gpu_quality_check.py --out runs/gpu`` (on a machine with CUDA) runs three parts and writes
 ``<out>/gpu_quality.json``:
 
-1. **Replay at GPT-2 small scale in bf16** (:mod:`ds_paci.tools.replay` on the GPU under ``torch.autocast``,
+1. **Replay at GPT-2 small scale in bf16** (:mod:`ds_paci.tools.replay.replayer` on the GPU under ``torch.autocast``,
    fp32 master weights and AdamW state): 8 blocks x 768 (12 heads), sequences of 256, micro-batches of 8,
    P = 8 stages, M = 8, for stock (sync), plain PACI and PACI + look-ahead: final validation loss, look-ahead
    telemetry and seconds.
@@ -40,7 +40,7 @@ TOLERANCE = 1e-6
 
 
 def replay_bf16(device: str, size: str) -> dict:
-    from ds_paci.tools.replay import load_tokens, replay
+    from ds_paci.tools.replay.replayer import load_tokens, replay
     from ds_paci.workload.data import MicroBatchIterator, eval_micro_batches
     from ds_paci.workload.gpt2 import gpt2_config, gpt2_reference_model
     n_layer, d, heads, seq, mbs, steps, every = SIZES[size]
@@ -176,7 +176,7 @@ def bf16_engine_rank(rank: int, accelerator_is_cuda: bool) -> dict:
 def predictor_checks(device: str) -> dict:
     from deepspeed.ops.adam import FusedAdam
 
-    from ds_paci.tools.world import run_world
+    from ds_paci.tools.processes.world import run_world
     cuda = device.startswith("cuda")
     out = {"torch AdamW fused (fp32)": _predictor_gap(
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True), device)}

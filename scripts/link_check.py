@@ -12,7 +12,7 @@ over TCP. Each rank (this file, run by the launcher with ``--rank-job``):
    and a large size, PACI and DeepSpeed's stock engine alternately; measures seconds per ``train_batch``
    (median after a warm-up) and, for PACI, the median forward and backward instruction times from the trace.
 
-The driver then predicts seconds per ``train_batch`` with :func:`ds_paci.tools.simulate.long_run_period` from
+The driver then predicts seconds per ``train_batch`` with :func:`ds_paci.tools.sim.simulate.long_run_period` from
 the measured forward/backward times, with the fitted link model and without it, and writes both next to the
 measurement. Emulated device time; a shared, loaded machine: read the ratios, not the absolute numbers.
 """
@@ -129,8 +129,8 @@ def fit(ping):
 
 
 def predict(runs, ping, micro, gas, width_bytes):
-    from ds_paci.tools.links import Link, LinkModel
-    from ds_paci.tools.simulate import CostModel, long_run_period
+    from ds_paci.tools.sim.links import Link, LinkModel
+    from ds_paci.tools.sim.simulate import CostModel, long_run_period
     latency, bandwidth = fit(ping)
     out = []
     for width in sorted({r["width"] for r in runs}):
@@ -154,7 +154,7 @@ def predict(runs, ping, micro, gas, width_bytes):
 
 
 def drive(args):
-    from ds_paci.tools.local_nodes import Node, free_port, node_command, stop_all, write_hostfile
+    from ds_paci.tools.processes.local_nodes import Node, free_port, node_command, stop_all, write_hostfile
     work = tempfile.mkdtemp(prefix="link_check_")
     host = write_hostfile(os.path.join(work, "hostfile"), {"nodeA": 1, "nodeB": 1})
     port = free_port()

@@ -80,7 +80,7 @@ def main():
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--out", help="write the summary (JSON) here")
     a = ap.parse_args()
-    from ds_paci.tools.world import run_world
+    from ds_paci.tools.processes.world import run_world
     summary = {"calls": a.calls, "dim": a.dim, "load_avg_1min_start": os.getloadavg()[0]}
     for tied in (True, False):
         results = run_world(rank_body, 2, a.dim, a.calls, tied, timeout=3600)

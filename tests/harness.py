@@ -1,3 +1,3 @@
-"""The multi-process test harness: :mod:`ds_paci.tools.world` (real processes over gloo, fail fast, per-rank logs)."""
+"""The multi-process test harness: :mod:`ds_paci.tools.processes.world` (real processes over gloo, fail fast, per-rank logs)."""
 
-from ds_paci.tools.world import WorldFailure, free_port, run_world  # noqa: F401
+from ds_paci.tools.processes.world import WorldFailure, free_port, run_world  # noqa: F401

@@ -2,7 +2,7 @@
 
 Four ranks play two nodes: each sets the variables DeepSpeed's launcher gives a rank (``CROSS_RANK``,
 ``CROSS_SIZE``, ``LOCAL_RANK``, ``LOCAL_SIZE``), and for node-local disks enters a mount namespace of its own in
-which its node's disk is bind-mounted at the checkpoint path (:func:`ds_paci.tools.local_nodes.private_mount`),
+which its node's disk is bind-mounted at the checkpoint path (:func:`ds_paci.tools.processes.local_nodes.private_mount`),
 so the two "nodes" see different files at the same path. Real DeepSpeed engines (a 2-stage MLP pipeline with
 DeepSpeed's AdamW, 2 data-parallel replicas per stage) over gloo.
 """
@@ -14,7 +14,7 @@ import torch
 
 import ds_paci
 from ds_paci.core.checkpoint import atomic as checkpoint
-from ds_paci.tools.local_nodes import private_mount
+from ds_paci.tools.processes.local_nodes import private_mount
 from mlp import mlp_pipeline, regression_batches
 from workers import ds_config, stage_weights
 

@@ -35,7 +35,7 @@ CASES = [
      ["tests/test_reliability.py::test_a_rank_killed_during_a_save_leaves_a_resumable_checkpoint"]),
     ("Checkpoints", "`kill -9` of a rank at a random moment of a main-job save",
      "`--save-interval 1`; SIGKILL to a random rank U(0, 30 ms) after a staging folder appears "
-     "(`python -m ds_paci.tools.savekill --kills 20` does this 20 times)",
+     "(`python -m ds_paci.tools.studies.savekill --kills 20` does this 20 times)",
      "every rank ends within 10 s; the next `--resume` prints `resumed from ... at step N` with N the step of "
      "the checkpoint `latest` names, and trains to the end",
      ["tests/test_reliability.py::test_stop_signal_to_one_rank_saves_and_resume_continues"]),
@@ -235,7 +235,7 @@ CASES = [
      ["tests/test_nonfinite.py::test_consecutive_skips_stop_every_rank_with_one_line"]),
     # -- long runs -------------------------------------------------------------------------------------------
     ("Long runs", "memory, transfers in flight and saves over a long async run (the soak benchmark, below)",
-     "`ds_paci.tools.soak` on 2 stages with a tied embedding, the look-ahead, a = 1 (L = 2): 120 calls, an "
+     "`ds_paci.tools.studies.soak` on 2 stages with a tied embedding, the look-ahead, a = 1 (L = 2): 120 calls, an "
      "`eval_batch` and a `save_checkpoint` every 40, a sample every 10 calls (the benchmark itself: thousands of "
      "calls on 2 stages x 2 replicas)",
      "every rank samples every interval; the tied sends and receives in flight, read through `paci_stats()`, never "
@@ -294,7 +294,7 @@ def soak_markdown(result: dict, growth_limit_pct: float = 2.0) -> str:
         f"Command (commit `{result['commit']}`, started {result['started']}, {result['seconds'] / 60:.0f} minutes, "
         f"{_load_range(result)}; its `--out` file is kept as `docs/results/soak/soak.json`):",
         "",
-        f"    nice -n 10 .venv/bin/{result.get('command', 'python -m ds_paci.tools.soak')}",
+        f"    nice -n 10 .venv/bin/{result.get('command', 'python -m ds_paci.tools.studies.soak')}",
         "",
         "| rank | stage | replica | RSS at call | RSS at 10% (MiB) | RSS at end (MiB) | growth | tied sends / receives "
         "in flight, max per peer (bound L + 1) | s/call, median first 10% (load) | last 10% (load) | resume |",
@@ -323,7 +323,7 @@ def render_soak():
     if not os.path.exists(SOAK_RESULT):
         return []
     with open(SOAK_RESULT) as f:
-        return ["", "## Soak", "", "The soak benchmark (issue 16, item 9; `ds_paci/tools/soak.py`): resident memory, "
+        return ["", "## Soak", "", "The soak benchmark (issue 16, item 9; `ds_paci/tools/studies/soak.py`): resident memory, "
                 "the tied exchange's transfers in flight and seconds per call sampled over a long asynchronous run "
                 "with evaluations and saves. Its figures, regenerated with this page from "
                 "`docs/results/soak/soak.json`:", "", soak_markdown(json.load(f)).rstrip("\n")]
@@ -338,7 +338,7 @@ def render():
         "`tests/test_reliability.py::test_reliability_page_matches_the_suite` fails when this page, the cases and "
         "the tests drift apart. Regenerate: `.venv/bin/python tests/reliability_cases.py > docs/reliability.md`.",
         "",
-        "Full random-kill check (not in CI): `.venv/bin/python -m ds_paci.tools.savekill --kills 20`.",
+        "Full random-kill check (not in CI): `.venv/bin/python -m ds_paci.tools.studies.savekill --kills 20`.",
     ]
     section = None
     for sec, fault, how, behaviour, tests in CASES:

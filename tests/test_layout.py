@@ -74,7 +74,7 @@ def test_the_graph_is_read_correctly(graph):
     # guards against a parser that silently finds nothing: known edges must be there
     assert "ds_paci.core.program.stream" in graph["ds_paci.core.engine.pipeline_engine"]
     assert "ds_paci.core.engine.pipeline_engine" in graph["ds_paci.core.initialize"]
-    assert "ds_paci.tools.records" in graph["ds_paci.tools.simulate"]
+    assert "ds_paci.tools.sim.records" in graph["ds_paci.tools.sim.simulate"]
     assert "ds_paci.workload.emulate" in graph["ds_paci.workload.gpt2"]
     assert "ds_paci.tools.bench.config" in graph["ds_paci.tools.bench.runner"]
     assert "ds_paci.mainjob.loop" in graph["ds_paci.mainjob.job"]

@@ -1,10 +1,10 @@
-"""The simulator's link model (ds_paci.tools.links), its hook in the simulator, ZB-V timing and P up to 64."""
+"""The simulator's link model (ds_paci.tools.sim.links), its hook in the simulator, ZB-V timing and P up to 64."""
 
 import pytest
 
-from ds_paci.tools import scale
-from ds_paci.tools.links import Link, LinkModel
-from ds_paci.tools.simulate import CostModel, long_run_period, simulate_paci
+from ds_paci.tools.studies import scale
+from ds_paci.tools.sim.links import Link, LinkModel
+from ds_paci.tools.sim.simulate import CostModel, long_run_period, simulate_paci
 
 FREE = Link(0.0, 1e30)
 

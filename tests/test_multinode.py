@@ -3,7 +3,7 @@ checkpoint disks, node failures.
 
 Each "node" is its own ``deepspeed --hostfile H --no_ssh --node_rank R --master_addr 127.0.0.1`` launch (a session
 of its own, so ``kill -- -PGID`` ends all of it); node-local disks are mount namespaces with a bind mount
-(:mod:`ds_paci.tools.local_nodes`). Every node is killed in ``finally``, so a failing test leaves no process.
+(:mod:`ds_paci.tools.processes.local_nodes`). Every node is killed in ``finally``, so a failing test leaves no process.
 The checkpoint protocol itself (four ranks as two nodes, real engines) runs through ``run_world``.
 """
 
@@ -19,8 +19,8 @@ import multinode_workers
 from harness import run_world
 from ds_paci.core.checkpoint import atomic as checkpoint
 from ds_paci.core.checkpoint import choice
-from ds_paci.tools.local_nodes import Node, free_port, node_command, stop_all, write_hostfile
-from ds_paci.tools.savekill import ROOT, TINY, small_corpus, step_of
+from ds_paci.tools.processes.local_nodes import Node, free_port, node_command, stop_all, write_hostfile
+from ds_paci.tools.studies.savekill import ROOT, TINY, small_corpus, step_of
 
 BOUND_S = 30  # the README's bound is a few seconds; this margin is for a loaded 2-core machine
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from ds_paci.tools import peer_schedules as ps
-from ds_paci.tools.bench import peers
-from ds_paci.tools.bench.peers_model import PeerCell, check_cell, layer_specs, partition
+from ds_paci.tools.sim import peer_schedules as ps
+from ds_paci.tools.studies.peers import study as peers
+from ds_paci.tools.studies.peers.model import PeerCell, check_cell, layer_specs, partition
 from ds_paci.workload import emulate
 from ds_paci.workload.emulate import EmulatedSplitTime, deferred_split_wait
 
@@ -100,7 +100,7 @@ def test_timing_of_action_lists_matches_the_known_bubbles():
 
 
 def test_simulate_cli_adds_rows_from_the_action_lists(capsys):
-    from ds_paci.tools.simulate import main
+    from ds_paci.tools.sim.simulate import main
     assert main(["--stages", "4", "--micro-batches", "2", "8", "--peers"]) == 0
     out = capsys.readouterr().out
     assert out.count("(torch action list)") == 2 * len(ps.PEERS)

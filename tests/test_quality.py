@@ -1,10 +1,10 @@
-"""The depth x batch sweep: its grid, its resumable runner and its report (ds_paci.tools.quality)."""
+"""The depth x batch sweep: its grid, its resumable runner and its report (ds_paci.tools.studies.quality)."""
 
 import dataclasses
 import json
 
 from ds_paci.core.program.stream import drift_bound
-from ds_paci.tools.quality import grid, report, sweep
+from ds_paci.tools.studies.quality import grid, report, sweep
 
 
 def _fake_results(finals):
@@ -100,7 +100,7 @@ def test_sweep_runs_resume_from_their_json_lines(tmp_path):
 
 
 def test_time_to_final_report_checks_the_replay_against_the_stored_engine_curves(tmp_path):
-    from ds_paci.tools.quality import time_to_final as ttf
+    from ds_paci.tools.studies.quality import time_to_final as ttf
     source, out = tmp_path / "stored", tmp_path / "out"
     source.mkdir()
     out.mkdir()
@@ -133,7 +133,7 @@ def test_time_to_final_report_checks_the_replay_against_the_stored_engine_curves
 
 
 def test_assembled_page_finds_the_generated_pages_images_from_its_own_folder(tmp_path):
-    from ds_paci.tools.quality.doc import assemble_doc
+    from ds_paci.tools.studies.quality.doc import assemble_doc
     out = tmp_path / "results" / "quality"
     out.mkdir(parents=True)
     (out / "intro.md").write_text("# intro")

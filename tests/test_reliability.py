@@ -26,7 +26,7 @@ from harness import run_world
 from ds_paci.core.checkpoint import atomic as checkpoint
 from ds_paci.core.health import lifecycle
 from ds_paci.core.config import PACIConfigError, check_accumulation_window, parse_paci_section
-from ds_paci.tools.savekill import TINY, Run, kill_during_save, small_corpus, step_of
+from ds_paci.tools.studies.savekill import TINY, Run, kill_during_save, small_corpus, step_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,7 +220,7 @@ def test_stop_signal_to_one_rank_saves_and_resume_continues(tmp_path):
 def test_launched_jobs_see_sigint_as_from_a_terminal_even_when_the_suite_ignores_it():
     # `make test &` in a shell without job control starts the suite with SIGINT and SIGQUIT ignored; the jobs the
     # stop tests launch must not inherit that, or DeepSpeed's runner ignores the SIGINT they send it
-    probe = ("import signal; from ds_paci.tools.savekill import Launched; import sys; "
+    probe = ("import signal; from ds_paci.tools.processes.launched import Launched; import sys; "
              "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGQUIT, signal.SIG_IGN); "
              "job = Launched([sys.executable, '-c', 'import signal; print(signal.getsignal(signal.SIGINT) is "
              "signal.default_int_handler, signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL)']); "

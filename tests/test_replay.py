@@ -5,7 +5,7 @@ import torch
 
 from ds_paci.core.program.actions import Kind
 from ds_paci.core.program.stream import PACIStream
-from ds_paci.tools.replay import replay, stage_slices
+from ds_paci.tools.replay.replayer import replay, stage_slices
 from ds_paci.workload.data import ByteTokenizer, MicroBatchIterator, encode_documents, load_corpus
 from ds_paci.workload.gpt2 import gpt2_config, gpt2_reference_model, lm_loss
 
@@ -51,7 +51,7 @@ def test_paci_replays_differ_from_sync_and_the_lookahead_predicts_the_crossing_f
 
 
 def test_validations_without_draining_leave_the_training_unchanged_and_windows_are_per_stage():
-    from ds_paci.tools.replay import Evaluation
+    from ds_paci.tools.replay.replayer import Evaluation
     runs = {}
     for name, evaluation in (("none", Evaluation(every=0)), ("peek", Evaluation(every=1, drains=False)),
                              ("drain", Evaluation(every=1, drains=True))):

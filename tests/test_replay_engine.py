@@ -1,6 +1,6 @@
 """The replay is evidence: it reproduces real PACI engines (one process per stage, gloo) bit for bit.
 
-Per depth one world runs a few engines one after the other (``ds_paci.tools.replay_check``): with and
+Per depth one world runs a few engines one after the other (``ds_paci.tools.replay.check``): with and
 without the look-ahead, ``a = M`` and ``a != M`` (drift 2 where ``a < P-1``, partial windows stepped at
 the drains before each validation), and DeepSpeed's stock engine at P = 2. The replay of each spec must
 give the same per-call losses (the engine's return value on the last stage), the same validation losses
@@ -9,7 +9,7 @@ and the same final weights, every bit: the sweep in ``docs/results/quality.md`` 
 
 import pytest
 
-from ds_paci.tools.replay_check import CheckSpec, compare, replay_run, run_engine
+from ds_paci.tools.replay.check import CheckSpec, compare, replay_run, run_engine
 
 CASES = {
     2: [CheckSpec(2, 2, "stock"), CheckSpec(2, 2, "paci"), CheckSpec(2, 2, "lookahead", window=3)],

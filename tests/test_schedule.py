@@ -5,7 +5,7 @@ import itertools
 import pytest
 from deepspeed.runtime.pipe import schedule as ds
 
-from ds_paci.tools.simulate import simulate
+from ds_paci.tools.sim.simulate import simulate
 from ds_paci.core.program.passes import defer_steps
 from ds_paci.core.program.actions import Action, Kind, format_action, from_deepspeed, parse_action
 from ds_paci.core.program.stream import PACIStream, drift_bound, format_stream, parse_stream

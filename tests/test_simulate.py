@@ -6,7 +6,7 @@ import pytest
 
 from ds_paci.core.program.actions import Kind
 from ds_paci.core.program.stream import drift_bound, parse_stream
-from ds_paci.tools.simulate import (CostModel, DeadlockError, PairingError, comparison_rows, long_run_period, main,
+from ds_paci.tools.sim.simulate import (CostModel, DeadlockError, PairingError, comparison_rows, long_run_period, main,
                               markdown_table, paci_programs, reference_rows, simulate, simulate_paci, simulate_stock,
                               stock_programs)
 

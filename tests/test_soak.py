@@ -1,4 +1,4 @@
-"""Smoke test of the soak benchmark (issue 16, item 9): a short real run of ``ds_paci.tools.soak``.
+"""Smoke test of the soak benchmark (issue 16, item 9): a short real run of ``ds_paci.tools.studies.soak``.
 
 The benchmark's figures (memory growth, seconds per call) are never thresholds here; this asserts what would break
 if the tool or the engine were wrong: every rank samples, the tied exchange's transfers in flight stay within the
@@ -11,7 +11,7 @@ import os
 
 import reliability_cases
 from ds_paci.core.checkpoint.atomic import COMPLETE, read_latest, verify
-from ds_paci.tools import soak
+from ds_paci.tools.studies import soak
 
 CALLS, EVERY, SAMPLE = 120, 40, 10
 

@@ -83,7 +83,7 @@ def test_the_lag_rule_holds_when_windows_are_carried_across_drains():
 def test_simulated_tied_waits_cost_nothing_at_lag_l_and_stall_or_deadlock_below():
     """The simulator runs the streams with the exchange under random cost models: at L no owner ever waits."""
     import random
-    from ds_paci.tools.simulate import CostModel, TiedExchange, paci_programs, simulate
+    from ds_paci.tools.sim.simulate import CostModel, TiedExchange, paci_programs, simulate
     rng = random.Random(0)
     for P, a in [(2, 4), (4, 4), (4, 3), (4, 1), (8, 8)]:
         L = tied_lag(P, (0, P - 1), a)

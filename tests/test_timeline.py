@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from ds_paci.tools.simulate import simulate_paci, simulate_stock
-from ds_paci.tools.records import kind_of, load_records, micro_batch_in, records_from_sim
-from ds_paci.tools.render import to_chrome_trace, to_png, to_text_grid
-from ds_paci.tools.timeline import main
+from ds_paci.tools.sim.simulate import simulate_paci, simulate_stock
+from ds_paci.tools.sim.records import kind_of, load_records, micro_batch_in, records_from_sim
+from ds_paci.tools.sim.render import to_chrome_trace, to_png, to_text_grid
+from ds_paci.tools.sim.timeline import main
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import shutil
 import sys
 import tempfile
 
-from ds_paci.tools import world
+from ds_paci.tools.processes import world
 from .analysis import TARGET_LOSS_FACTOR, compare_engines, ideal_ratio, study_comparison
 from .config import (BenchConfig, ENGINES, OVERRIDABLE_FIELDS, curves_config, make_config, override_config, presets,
                      studies)
@@ -156,7 +156,7 @@ def reanalyse(out: str, configs: list, target_loss) -> dict:
 
 def main(argv=None) -> int:
     """Command line entry point (see the module docstring and ``--help``)."""
-    from . import peers
+    from ..studies.peers import study as peers
     if peers.is_peers_study(sys.argv[1:] if argv is None else argv):  # a study with a command line of its own
         return peers.main(argv)
     parser = _parser()

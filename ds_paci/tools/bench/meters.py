@@ -184,7 +184,7 @@ def peak_rss_bytes() -> int:
 
 
 class StockInstructionTracer:
-    """Per-instruction records of the stock engine, in :mod:`ds_paci.tools.records` format.
+    """Per-instruction records of the stock engine, in :mod:`ds_paci.tools.sim.records` format.
 
     :meth:`install` gives one engine its own instruction table, DeepSpeed's stock functions wrapped; DeepSpeed's
     class table (``PipelineEngine._INSTRUCTION_MAP``), and so every other engine, is left unchanged (the table

@@ -109,7 +109,7 @@ def render_timelines(cfg: BenchConfig, traces: dict, stock_seconds_per_batch: fl
     stock batches (so PACI shows how much more it completes in the same time).
     Returns ``{engine: {"png", "chrome", "text"}}``.
     """
-    from ds_paci.tools import render
+    from ds_paci.tools.sim import render
     window = batches * stock_seconds_per_batch
     rendered = {}
     for engine, (records, start) in traces.items():

@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from ds_paci.tools import world
+from ds_paci.tools.processes import world
 from .analysis import summarize_run
 from .config import BenchConfig, ENGINES, PACI_ENGINES
 from .meters import ActivationMeter, StockInstructionTracer, peak_rss_bytes, weight_storage_report
@@ -145,7 +145,7 @@ def run_rank(rank: int, job: RunJob) -> dict:
 
 
 def run_world(job: RunJob, log_dir: str, timeout: float) -> list[dict]:
-    """Run ``job`` on ``job.config.stages`` processes (see :mod:`ds_paci.tools.world`); per-rank results in rank order."""
+    """Run ``job`` on ``job.config.stages`` processes (see :mod:`ds_paci.tools.processes.world`); per-rank results in rank order."""
     return world.run_world(run_rank, job.config.stages, job, timeout=timeout, log_dir=log_dir,
                            gloo_timeout_s=job.gloo_timeout_s, accelerator=None)  # DeepSpeed's detected accelerator
 

@@ -1,0 +1,460 @@
+"""Single-process replay of PACI streams on the GPT-2 workload: the engine's semantics in one process.
+
+``python -m ds_paci.tools.replay.replayer --job main --mode lookahead --lr 1.5e-3`` runs every stage's
+:class:`~ds_paci.core.program.stream.PACIStream` tick by tick in one process, with the engine's
+semantics: a forward uses the stage's weights current at that moment (with ``--mode
+lookahead``, the look-ahead's prediction for forwards the stream tags ``crosses_step``, through
+the engine's own :class:`~ds_paci.core.lookahead.predict.LookAhead`); a backward runs through the weights
+current at backward time (optimizers step on ``.data`` aliases); each stage takes its own
+optimizer step after every ``a`` backward passes (``a`` may differ per stage) and steps its LR
+scheduler ``lr_steps`` of the ``STEP`` action times (one per ``M`` micro-batches stepped); the last stage's
+loss is scaled as the engine scales it (:func:`last_stage_backward`); streams are drained where
+the engine drains (:func:`ENGINE_RULES`), leaving a partial window open as ``eval_batch`` does,
+and closed at the end. ``--mode sync`` drains after every batch (the stock
+engine's math).
+
+Evidence, not only exploration: ``tests/test_replay_engine.py`` checks that it reproduces the
+engine's per-call losses and final weights bit for bit (real engines over gloo at P = 2, 4 and
+8, with and without the look-ahead, ``a = M`` and ``a != M``), and it reproduces the stored
+engine curves of ``docs/results/lookahead`` (see ``docs/results/quality.md``). Long sweeps
+(:mod:`ds_paci.tools.studies.quality`) run on it.
+
+The engine's rules the replay mirrors, each in one place here:
+
+* the last stage's loss scaling: :func:`last_stage_backward` (``compat.last_stage_loss_factor``,
+  then DeepSpeed's ``1/M`` on the loss gradient where it divides);
+* the LR schedule: :func:`advance_lr_schedule` (the stream's rule: each ``STEP`` action carries
+  ``lr_steps``, one scheduler step per ``M`` micro-batches stepped, so the schedule does not
+  depend on the window);
+* the drain: :meth:`PACIStream.drain <ds_paci.core.program.stream.PACIStream.drain>` itself decides
+  what a drain steps (``close_window=False``, as ``eval_batch`` and saves: the partial window
+  stays open; ``True`` at the end of training), so the replay follows the stream module;
+  where the replay drains is :class:`Evaluation` (``drains=True``: before every validation, as
+  the engine's ``eval_batch``; ``False``: validations read the current weights without draining,
+  the stream only drains at ``drain_at`` steps and at the end; no engine counterpart, used so
+  that frequent validations do not change the training being measured).
+
+Jobs: ``main`` (the default job: 4 blocks x 128, bpe-1024, micro-batch 8 x 128, M = 4, 2 stages,
+warm-up + cosine) and the benchmark's shapes ``real_P2_M4``, ``emulated_P4_M4``,
+``emulated_P8_M8`` (byte tokens, constant LR, no emulated wait). Prints one JSON line: the
+arguments, the validation curve and each stage's look-ahead telemetry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ds_paci.core.seam import compat
+from ds_paci.core.config import PACIConfig, auto_window
+from ds_paci.core.step.local_step import ParamAliases
+from ds_paci.core.lookahead.predict import lookahead_for_torch_optimizer
+from ds_paci.core.program.actions import Kind
+from ds_paci.core.program.interpreter import Handler, run_program
+from ds_paci.core.program.stream import PACIStream
+from ds_paci.workload.gpt2 import Block, gpt2_config, gpt2_reference_model, lm_loss
+
+MODES = ("sync", "paci", "lookahead")
+OPTIMIZERS = ("adamw", "muon")
+
+
+@dataclass(frozen=True)
+class Job:
+    """Model, data and pipeline shape of a replay."""
+
+    stages: int
+    micro_batches: int
+    micro_batch_size: int
+    seq_len: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    tokenizer: str
+    eval_batches: int
+    schedule: str  # "warmup_cosine" (the main job's) or "constant" (the benchmark's)
+    main_split: bool  # the main job's document split (launch/train.py) or the benchmark's
+
+
+JOBS = {
+    "main": Job(2, 4, 8, 128, 4, 128, 4, "bpe-1024", 4, "warmup_cosine", True),
+    "real_P2_M4": Job(2, 4, 8, 128, 4, 128, 4, "byte", 4, "constant", False),
+    "emulated_P4_M4": Job(4, 4, 4, 64, 4, 64, 4, "byte", 4, "constant", False),
+    "emulated_P8_M8": Job(8, 8, 4, 64, 8, 64, 4, "byte", 2, "constant", False),
+}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """When the replay validates and drains: ``every`` steps (0: only at the start and the end).
+
+    ``drains``: drain before each validation (the engine's ``eval_batch``: the partial window stays
+    open); otherwise validations read the current weights and the stream drains only at ``drain_at``
+    steps and at the end. A ``drain_at`` drain closes the partial window, as the engine's ``drain()``
+    does (the sweep reads its common-step loss there; runs before the counters rule drained that way).
+    """
+
+    every: int = 100
+    drains: bool = True
+    drain_at: tuple = ()
+
+
+@dataclass
+class ReplayResult:
+    """What a replay returns: the validation curve ``[(step, loss), ...]`` (step 0, every ``eval.every``
+    steps, the end), per-stage look-ahead telemetry (``None`` where none), the loss each ``train_batch``
+    call returns on the engine's last stage (mean of the micro-batches whose forward completed in it;
+    ``None`` if none did), the local steps per stage, the windows, and the wall seconds."""
+
+    curve: list
+    lookahead: list
+    call_losses: list = field(default_factory=list)
+    local_steps: list = field(default_factory=list)
+    windows: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def stage_slices(model: torch.nn.Sequential, stages: int) -> list:
+    """``[(start, stop), ...]`` of each stage's layers, split by transformer blocks as ``gpt2_pipeline`` does."""
+    blocks = [i for i, m in enumerate(model) if isinstance(m, Block)]
+    if len(blocks) % stages:
+        raise ValueError(f"{len(blocks)} blocks do not split evenly over {stages} stages")
+    per = len(blocks) // stages
+    starts = [0] + [blocks[s * per] for s in range(1, stages)] + [len(model)]
+    return [(starts[s], starts[s + 1]) for s in range(stages)]
+
+
+def stage_windows(window, stages: int, micro_batches: int) -> list:
+    """Each stage's window: ``None`` (M), an int, ``"auto"`` (:func:`~ds_paci.core.config.auto_window`) or a
+    sequence of ``stages`` ints."""
+    if window is None:
+        return [micro_batches] * stages
+    if window == "auto":  # per stage, as the engine without tied layers across stages
+        return [auto_window(stages, micro_batches, s) for s in range(stages)]
+    if isinstance(window, int):
+        return [window] * stages
+    windows = [int(a) for a in window]
+    if len(windows) != stages or min(windows) < 1:
+        raise ValueError(f"per-stage windows {window!r}: need {stages} integers >= 1")
+    return windows
+
+
+# -- the engine's rules, each in one place ------------------------------------------------------------
+def last_stage_backward(loss: torch.Tensor, micro_batches: int, window: int) -> None:
+    """Backward of the last stage's loss as the engine runs it: ``loss * compat.last_stage_loss_factor`` (only
+    when the factor is not 1, as ``_exec_paci_backward``), then DeepSpeed's division of the loss gradient by
+    ``M`` (``_backward_prologue_per_tensor``) on the versions that divide (``compat.DS_SCALES_BY_GAS``)."""
+    factor = compat.last_stage_loss_factor(micro_batches, window)
+    if factor != 1.0:
+        loss = loss * factor
+    grad = torch.ones_like(loss)
+    if compat.DS_SCALES_BY_GAS:
+        grad = grad / micro_batches
+    loss.backward(grad)
+
+
+def advance_lr_schedule(scheduler, lr_steps: int) -> None:
+    """The LR-schedule rule at a stage's local step: the scheduler steps ``lr_steps`` of the ``STEP`` action times (the
+    stream's count of whole ``M`` micro-batches stepped since the last scheduler step), as the engine's
+    ``_local_step`` does. Change it here when the engine's counters change."""
+    if scheduler is not None:
+        for _ in range(lr_steps):
+            scheduler.step()
+
+
+# -- one stage ------------------------------------------------------------------------------------------
+def _muon_groups(part):
+    """Muon's split: the 2-D weights of transformer blocks, and everything else (AdamW's part)."""
+    matrices, rest = [], []
+    for module in part:
+        for p in module.parameters():
+            (matrices if isinstance(module, Block) and p.dim() == 2 else rest).append(p)
+    return matrices, rest
+
+
+def make_optimizers(part, kind, lr, betas, weight_decay) -> list:
+    """The torch.optim optimizers of one stage: AdamW, or Muon on block matrices with AdamW on the rest."""
+    if kind == "adamw":
+        return [torch.optim.AdamW(part.parameters(), lr=lr, betas=betas, eps=1e-8, weight_decay=weight_decay)]
+    if kind == "muon":
+        matrices, rest = _muon_groups(part)
+        out = [torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")] \
+            if matrices else []
+        if rest:
+            out.append(torch.optim.AdamW(rest, lr=lr, betas=betas, eps=1e-8, weight_decay=weight_decay))
+        return out
+    raise ValueError(f"unknown optimizer {kind!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+class _Stage:
+    """One stage's layers, optimizers (on ``.data`` aliases), look-aheads, schedulers and stream."""
+
+    def __init__(self, part, stages, stage_id, window, micro_batches, optimizer, lr, betas, weight_decay, restore,
+                 scheduler):
+        self.part = part
+        self.window = window
+        self.stream = PACIStream(stages, stage_id, window, micro_batches)
+        self.optimizers = make_optimizers(part, optimizer, lr, betas, weight_decay)
+        self.aliases = [ParamAliases(opt) for opt in self.optimizers]
+        self.lookaheads = [lookahead_for_torch_optimizer(opt, alias, restore)
+                           for opt, alias in zip(self.optimizers, self.aliases)]
+        self.predicts = any(la is not None for la in self.lookaheads)
+        self.schedulers = [scheduler(opt) for opt in self.optimizers] if scheduler else [None] * len(self.optimizers)
+        self.local_steps = 0
+
+    @contextlib.contextmanager
+    def predicted(self, window_fill):
+        with contextlib.ExitStack() as stack:
+            for la in self.lookaheads:
+                if la is not None:
+                    stack.enter_context(la.applied(window_fill, self.window))
+            yield
+
+    def local_step(self, lr_steps):
+        """The engine's ``_local_step`` for torch.optim optimizers on one process (no reduce, no clipping)."""
+        for la, alias, opt in zip(self.lookaheads, self.aliases, self.optimizers):
+            if la is not None:
+                la.before_step()
+            alias.bind_grads()
+            opt.step()
+            alias.release_grads()
+        for p in self.part.parameters():
+            p.grad = None
+        for sched in self.schedulers:
+            advance_lr_schedule(sched, lr_steps)
+        for la in self.lookaheads:
+            if la is not None:
+                la.after_step()
+        self.local_steps += 1
+
+    def stats(self):
+        found = [la.stats() for la in self.lookaheads if la is not None]
+        return found[0] if len(found) == 1 else (found or None)
+
+
+def _scheduler_factory(schedule, steps, warmup, cos_min_ratio):
+    if schedule == "constant":
+        return None
+    if schedule != "warmup_cosine":
+        raise ValueError(f"unknown schedule {schedule!r}; use 'constant' or 'warmup_cosine'")
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+    warm = warmup if warmup < steps else max(1, steps // 10)  # as launch/train.py does
+    return lambda opt: WarmupCosineLR(opt, total_num_steps=steps, warmup_num_steps=warm, cos_min_ratio=cos_min_ratio)
+
+
+class _Math(Handler):
+    """The replay's handler of :func:`~ds_paci.core.program.interpreter.run_program`: every local action does its math."""
+
+    def __init__(self, pipeline):
+        self.pipeline = pipeline
+
+    def run(self, stage, action, now):
+        self.pipeline.run_action(stage, action)
+
+
+class _Pipeline:
+    """Every stage in one process; :meth:`execute` runs ticks in the order the engine's processes would."""
+
+    def __init__(self, stages_, micro_batches, mode, train_iter, device=None, autocast=None):
+        self.stages = stages_
+        self.micro_batches = micro_batches
+        self.mode = mode
+        self.train_iter = train_iter
+        self.device = device
+        self.autocast = autocast
+        self.batches, self.outputs, self.inputs, self.grads = {}, {}, {}, {}
+        self.total_loss, self.completed = None, 0
+
+    def _forward(self, s, m):
+        P = len(self.stages)
+        x = self.batches[m][0] if s == 0 else self.outputs[(s - 1, m)].detach().requires_grad_(True)
+        if s > 0:
+            self.inputs[(s, m)] = x
+        with _autocast(self.device, self.autocast):
+            out = self.stages[s].part(x)
+        if s < P - 1:
+            return out
+        loss = lm_loss(out, self.batches[m][1])
+        self.total_loss = torch.zeros_like(loss) if self.total_loss is None else self.total_loss
+        self.total_loss += loss.detach()  # as DeepSpeed's forward adds to total_loss
+        self.completed += 1
+        return loss
+
+    def _backward(self, s, m):
+        P = len(self.stages)
+        out = self.outputs.pop((s, m))
+        if s == P - 1:
+            last_stage_backward(out, self.micro_batches, self.stages[s].window)
+            self.batches.pop(m)
+        else:
+            out.backward(self.grads.pop((s + 1, m)))
+        if s > 0:
+            self.grads[(s, m)] = self.inputs.pop((s, m)).grad
+
+    def run_action(self, s, action):
+        """The math of one action of stage ``s`` (transfers carry nothing here: outputs and gradients are shared)."""
+        stage, kind, m = self.stages[s], action.kind, action.micro_batch
+        if kind is Kind.LOAD and s == 0:
+            x, y = next(self.train_iter)
+            self.batches[m] = (x, y) if self.device is None else (x.to(self.device), y.to(self.device))
+        elif kind is Kind.FORWARD:
+            if self.mode == "lookahead" and action.crosses_step and stage.predicts:
+                with stage.predicted(action.window_fill):
+                    self.outputs[(s, m)] = self._forward(s, m)
+            else:
+                self.outputs[(s, m)] = self._forward(s, m)
+        elif kind is Kind.BACKWARD:
+            self._backward(s, m)
+        elif kind is Kind.STEP:
+            stage.local_step(action.lr_steps)
+
+    def execute(self, ticks):
+        """Run every stage's ``ticks`` on :func:`~ds_paci.core.program.interpreter.run_program`, the engine's semantics:
+        a stage's forward runs after its activation arrived, a backward after its gradient did."""
+        run = run_program(ticks, _Math(self))
+        if not run.ok:
+            raise RuntimeError("the replayed streams do not run: " +
+                               "; ".join([str(x) for x in run.stuck] + run.mismatches))
+
+    def call_loss(self):
+        """The loss the engine's last stage returns for the call just run (``None``: no forward completed)."""
+        if self.total_loss is None:
+            return None
+        value = float(self.total_loss / self.completed)
+        self.total_loss, self.completed = None, 0
+        return value
+
+    def advance(self):
+        self.execute([st.stream.advance(2 * self.micro_batches) for st in self.stages])
+
+    def drain(self, close_window):
+        self.execute([st.stream.drain(close_window=close_window) for st in self.stages])
+
+
+def _autocast(device, dtype):
+    """``torch.autocast`` on ``device`` in ``dtype`` (e.g. bf16 on a GPU), or nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device or "cpu").type, dtype=dtype)
+
+
+def validation_loss(model, val_batches, micro_batches, device=None, autocast=None) -> float:
+    """Validation loss as the benchmark measures it on the engine: ``eval_batch`` over ``micro_batches`` at a time
+    (DeepSpeed sums the micro-batches' losses and divides by their count), then the mean over the calls."""
+    n = micro_batches if len(val_batches) % micro_batches == 0 else len(val_batches)
+    move = (lambda t: t) if device is None else (lambda t: t.to(device))
+    calls = []
+    with torch.no_grad(), _autocast(device, autocast):
+        for i in range(0, len(val_batches), n):
+            calls.append(float(sum(lm_loss(model(move(x)), move(y)) for x, y in val_batches[i:i + n]) / n))
+    return sum(calls) / len(calls)
+
+
+def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="lookahead", window=None, lr=1e-3,
+           betas=(0.9, 0.95), weight_decay=0.0, schedule="constant", warmup=20, cos_min_ratio=0.1, eval_every=100,
+           restore=None, echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
+           autocast=None) -> ReplayResult:
+    """Train ``model`` (an ``nn.Sequential`` of GPT-2 layers) on PACI streams; returns a :class:`ReplayResult`.
+
+    ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`.
+    ``evaluation``: an :class:`Evaluation` (default: every ``eval_every`` steps, draining first, as the
+    engine). ``lr_scales``: per-stage factors on ``lr`` (default 1). ``optimizer``: ``adamw`` or ``muon``.
+    ``restore``: the look-ahead's restore mode (default: the engine's, ``PACIConfig.lookahead_restore``).
+    ``device``: where ``model`` lives (batches are moved there); ``autocast``: a dtype to run forwards in
+    (``torch.autocast``, e.g. ``torch.bfloat16`` on a GPU; fp32 master weights and optimizer state).
+    Validation loss: :func:`validation_loss` over ``val_batches``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    restore = restore or PACIConfig().lookahead_restore  # the engine's default
+    evaluation = evaluation or Evaluation(every=eval_every)
+    windows = stage_windows(window, stages, micro_batches)
+    scales = list(lr_scales) if lr_scales is not None else [1.0] * stages
+    scheduler = _scheduler_factory(schedule, steps, warmup, cos_min_ratio)
+    parts = [torch.nn.Sequential(*list(model)[lo:hi]) for lo, hi in stage_slices(model, stages)]
+    pipe = _Pipeline([_Stage(part, stages, s, windows[s], micro_batches, optimizer, lr * scales[s], betas, weight_decay, restore,
+                             scheduler) for s, part in enumerate(parts)], micro_batches, mode, train_iter, device,
+                     autocast)
+
+    def evaluate():
+        return validation_loss(model, val_batches, micro_batches, device, autocast)
+
+    curve, call_losses = [(0, evaluate())], []
+    began = time.time()
+    for step in range(1, steps + 1):
+        pipe.advance()
+        if mode == "sync":  # drain_every_batch: inside the call
+            pipe.drain(close_window=True)  # a = M: nothing is left open anyway
+        call_losses.append(pipe.call_loss())
+        validate = (evaluation.every and step % evaluation.every == 0) or step == steps
+        if mode != "sync" and (step == steps or step in evaluation.drain_at or (validate and evaluation.drains)):
+            # the engine's drain(): a call of its own, whose loss is not a train_batch's; as eval_batch it
+            # leaves a partial window open, the end of training and drain_at close it (Evaluation)
+            pipe.drain(close_window=step == steps or step in evaluation.drain_at)
+            pipe.call_loss()
+        if validate:
+            curve.append((step, evaluate()))
+            if echo:
+                echo(f"step {step}: validation loss {curve[-1][1]:.4f} ({time.time() - began:.0f} s)")
+    return ReplayResult(curve=curve, lookahead=[st.stats() for st in pipe.stages], call_losses=call_losses,
+                        local_steps=[st.local_steps for st in pipe.stages], windows=windows,
+                        seconds=time.time() - began)
+
+
+def load_tokens(tokenizer_name: str, main_split: bool):
+    """``(train tokens, validation tokens, tokenizer)`` of the corpus, split as the job or the benchmark does."""
+    from ds_paci.workload.data import encode_documents, get_tokenizer, load_corpus, split_documents
+    docs = load_corpus()
+    train_docs, val_docs = split_documents(docs) if main_split else split_documents(docs, val_fraction=0.1, seed=0)
+    tokenizer = get_tokenizer(tokenizer_name, train_docs=train_docs)
+    return encode_documents(train_docs, tokenizer).long(), encode_documents(val_docs, tokenizer).long(), tokenizer
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds_paci.tools.replay.replayer", description=__doc__.split("\n\n")[0])
+    p.add_argument("--job", choices=sorted(JOBS), default="main")
+    p.add_argument("--mode", choices=MODES, default="lookahead")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1.5e-3)
+    p.add_argument("--betas", default=None, help="b1,b2 (default: 0.9,0.95 for main, 0.9,0.999 for the benchmark jobs)")
+    p.add_argument("--weight-decay", type=float, default=None, help="default: 0.01 for main, 0 for the benchmark jobs")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--window", help="accumulation window a: an int, 'auto', or one int per stage (a,b,...); default M")
+    p.add_argument("--eval-every", type=int, default=None, help="default: 100 for main, 25 for the benchmark jobs")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data-seed", type=int, help="default: the seed for main, 7 for the benchmark jobs")
+    p.add_argument("--restore", choices=["recompute", "copy"], default=None, help="default: the engine's")
+    args = p.parse_args(argv)
+    from ds_paci.workload.data import MicroBatchIterator, eval_micro_batches
+    job = JOBS[args.job]
+    torch.set_num_threads(1)
+    train, val, tokenizer = load_tokens(job.tokenizer, job.main_split)
+    main_job = args.job == "main"
+    cfg = gpt2_config("tiny", vocab_size=tokenizer.vocab_size, n_positions=1024 if main_job else job.seq_len,
+                      n_embd=job.n_embd, n_layer=job.n_layer, n_head=job.n_head,
+                      **({"eos_token_id": tokenizer.eos_id} if main_job else {}))
+    model = gpt2_reference_model(cfg, seed=args.seed)
+    data_seed = args.data_seed if args.data_seed is not None else (args.seed if main_job else 7)
+    train_iter = MicroBatchIterator(train, job.micro_batch_size, job.seq_len, seed=data_seed)
+    val_batches = eval_micro_batches(val, job.micro_batch_size, job.seq_len, count=job.eval_batches * job.micro_batches)
+    betas = tuple(float(x) for x in args.betas.split(",")) if args.betas else ((0.9, 0.95) if main_job else (0.9, 0.999))
+    wd = args.weight_decay if args.weight_decay is not None else (0.01 if main_job else 0.0)
+    window = args.window
+    if window is not None and window != "auto":
+        window = [int(x) for x in window.split(",")] if "," in window else int(window)
+    result = replay(model, job.stages, job.micro_batches, train_iter, val_batches, args.steps, mode=args.mode,
+                    window=window, lr=args.lr, betas=betas, weight_decay=wd, schedule=job.schedule,
+                    warmup=args.warmup, eval_every=args.eval_every or (100 if main_job else 25),
+                    restore=args.restore, echo=lambda line: print(line, file=sys.stderr, flush=True))
+    print(json.dumps({"args": vars(args), "curve": result.curve, "final_val_loss": result.curve[-1][1],
+                      "local_steps": result.local_steps, "lookahead": result.lookahead}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

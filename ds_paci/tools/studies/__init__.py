@@ -1,0 +1,6 @@
+"""Studies: long measurements with an entry each, resumable where they take hours.
+
+``peers`` (PACI against torch's schedules), ``quality`` (the depth x batch sweep on the replay), ``scale`` (the
+simulator at P = 16..64 with links), ``soak`` (a long async run's memory and transfers), ``savekill`` (kills during
+saves, every resume checked). Each is ``python -m ds_paci.tools.studies.<name>``.
+"""

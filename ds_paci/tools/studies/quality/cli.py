@@ -1,0 +1,49 @@
+"""``python -m ds_paci.tools.studies.quality --part sweep|report --out docs/results/quality``.
+
+``sweep`` runs (or resumes) the depth x batch sweep of :mod:`ds_paci.tools.studies.quality.grid` on the replay,
+appending one JSON line per finished run to ``<out>/runs.jsonl``; ``report`` writes the tables;
+``time-to-final`` runs the PACI engines of the benchmark's P = 4 and P = 8 curve study past stock's step count
+(:mod:`ds_paci.tools.studies.quality.time_to_final`); ``larger`` the 8 x 256 model (:mod:`ds_paci.tools.studies.quality.larger`); ``doc`` assembles
+``docs/results/quality.md`` from the hand-written ``intro.md``/``findings.md`` of ``--out`` and every table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds_paci.tools.studies.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=["sweep", "report", "time-to-final", "larger", "doc"], required=True)
+    p.add_argument("--out", default="docs/results/quality")
+    p.add_argument("--workers", type=int, default=2, help="replay processes at once")
+    p.add_argument("--depths", type=int, nargs="*", help="only these P (default: all of grid.DEPTHS)")
+    p.add_argument("--runs", nargs="*", help="with --part larger: only these runs (names of larger.RUNS)")
+    args = p.parse_args(argv)
+    if args.part == "sweep":
+        from .sweep import run_sweep
+        run_sweep(args.out, workers=args.workers, depths=tuple(args.depths) if args.depths else None,
+                  echo=lambda line: print(line, flush=True))
+        return 0
+    if args.part == "doc":
+        from .doc import assemble_doc
+        assemble_doc(args.out)
+        return 0
+    if args.part == "larger":
+        from . import larger
+        larger.run_all(args.out, echo=lambda line: print(line, flush=True), names=args.runs)
+        print(larger.write_report(args.out))
+        return 0
+    if args.part == "time-to-final":
+        from . import time_to_final
+        time_to_final.run_all(args.out, echo=lambda line: print(line, flush=True))
+        print(time_to_final.write_report(args.out))
+        return 0
+    from .report import write_report
+    print(write_report(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
