@@ -142,3 +142,35 @@ def test_auto_window_is_per_stage_unless_tied_layers_span_stages_or_sync_mode():
     assert [window(engine(s, tied=False)) for s in range(8)] == [7, 6, 5, 4, 4, 4, 4, 4]
     assert [window(engine(s, tied=True)) for s in range(8)] == [7] * 8  # tied owners step together
     assert [window(engine(s, tied=False, sync=True)) for s in range(8)] == [7] * 8
+
+
+def test_the_main_job_and_initialize_share_one_model_free_config_check():
+    """``core.config.check_config`` is the one model-free check: the main job's refusal is its line, word for word,
+    and ``validate_run`` (what ``ds_paci.initialize`` runs) raises the same line for the same config."""
+    from deepspeed.pipe import PipelineModule
+
+    from ds_paci.core.config import check_config, validate_run
+    from ds_paci.mainjob.inputs import check_config as job_check_config
+    from ds_paci.mainjob.options import UsageError
+    base = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "paci": {"enabled": True}}
+    bad = [
+        {"zero_optimization": {"stage": 2}},
+        {"fp16": {"enabled": True}},
+        {"gradient_accumulation_steps": 0},
+        {"paci": {"enabled": True, "accumulation_window": 10**6}},
+        {"paci": {"enabled": True, "no_such_key": 1}},
+    ]
+    # validate_run's config checks run before it reads the model; building one would need a process group
+    model = PipelineModule.__new__(PipelineModule)
+    for change in bad:
+        cfg = {**base, **change}
+        with pytest.raises(PACIConfigError) as core_error:
+            check_config(cfg)
+        with pytest.raises(UsageError) as job_error:
+            job_check_config(cfg, world_size=1, stages=1, config_path="c.json")
+        assert str(job_error.value) == str(core_error.value), change
+        if "no_such_key" not in json.dumps(change):  # validate_run takes the parsed section
+            with pytest.raises(PACIConfigError) as run_error:
+                validate_run(cfg, model, parse_paci_section(cfg["paci"]))
+            assert str(run_error.value) == str(core_error.value), change
+    assert check_config(base).enabled and not check_config({"gradient_accumulation_steps": 2}).enabled

@@ -290,13 +290,35 @@ def check_accumulation_window(window, gradient_accumulation_steps):
                               f'use at most {limit} (for a larger effective batch raise gradient_accumulation_steps)')
 
 
+def check_config(ds_config, paci=None):
+    """Every check of a DeepSpeed config that needs no model and no process group; returns the ``PACIConfig``.
+
+    The ``"paci"`` section (``paci``, when already parsed, is not parsed again), the batch keys, ZeRO's stage, and
+    with PACI enabled fp16, the accumulation window against ``gradient_accumulation_steps`` and what the installed
+    DeepSpeed cannot run under PACI (``compat.refusal``). One place for these checks: :func:`validate_run` (so
+    ``ds_paci.initialize`` and the engine) and the main job before any process starts (``mainjob.inputs``) call it.
+    Raises :class:`PACIConfigError` with one line naming the key and the fix.
+    """
+    from .seam import compat
+    paci = parse_paci_section(ds_config.get("paci")) if paci is None else paci
+    check_batch_keys(ds_config)
+    check_zero_stage(ds_config)
+    if paci.enabled:
+        check_fp16(ds_config)
+        check_accumulation_window(paci.accumulation_window, ds_config.get("gradient_accumulation_steps"))
+        reason = compat.refusal(ds_config)  # what the installed DeepSpeed version cannot do under PACI
+        if reason:
+            raise PACIConfigError(reason)
+    return paci
+
+
 def validate_run(ds_config, model, paci):
     """Fail fast on every combination the PACI engine cannot honour; returns a copy of the config, unchanged.
 
     Runs identically on every rank (it reads only the config and the module's
     layer specs), so every rank raises the same error and none is left waiting.
-    Called by ``ds_paci.initialize`` and again by ``PACIPipelineEngine.__init__``.
-    Clipping defaults are the engine's business (see its docstring), not this function's.
+    Called by ``ds_paci.initialize`` and again by ``PACIPipelineEngine.__init__``: :func:`check_config`, then what
+    needs the model. Clipping defaults are the engine's business (see its docstring), not this function's.
     """
     from deepspeed.runtime.pipe.module import PipelineModule
 
@@ -305,13 +327,7 @@ def validate_run(ds_config, model, paci):
     if not isinstance(model, PipelineModule):
         raise PACIConfigError(f'"paci.enabled" needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}; '
                               'build the model as PipelineModule(layers=..., num_stages=...) or remove the "paci" section')
-    check_batch_keys(ds_config)
-    check_zero_stage(ds_config)
-    check_fp16(ds_config)
-    check_accumulation_window(paci.accumulation_window, ds_config.get("gradient_accumulation_steps"))
-    reason = compat.refusal(ds_config)  # what the installed DeepSpeed version cannot do under PACI
-    if reason:
-        raise PACIConfigError(reason)
+    check_config(ds_config, paci)
     if not paci.drain_every_batch:
         from .tied.layout import tied_arrangement_problem
         tied = tied_arrangement_problem(ds_config, model)

@@ -1,10 +1,9 @@
 """Everything a rank of the main job checks before any process group exists, and the verdicts agreed across nodes.
 
-The config goes through core's own checks (``ds_paci.core.config``: the ``"paci"`` section, the batch keys,
-ZeRO's stage, fp16, the accumulation window; ``ds_paci.core.seam.compat``: what the installed DeepSpeed refuses
-under PACI), so a bad key gets the same line here as from ``ds_paci.initialize``, only before any process
-starts. ``validate_run`` itself needs the built ``PipelineModule`` (so a process group): the job calls its
-config-only checks, and ``ds_paci.initialize`` runs ``validate_run`` again on the model. What only the job
+The config goes through core's own model-free checks (``ds_paci.core.config.check_config``: the ``"paci"``
+section, the batch keys, ZeRO's stage, fp16, the accumulation window, what the installed DeepSpeed refuses under
+PACI), the same function ``ds_paci.initialize`` runs through ``validate_run``, so a bad key gets the same line here,
+only before any process starts. What only the job
 knows (its flags, the batch keys it needs, the data-parallel size, the tied LM head with ZeRO's offload) is
 checked here, each with one line that names the flag or key and the fix. Every check raises
 :class:`~.options.UsageError`.
@@ -41,16 +40,11 @@ def _core(check, *args):
 
 
 def check_config(ds_config, world_size, stages, config_path, tie_embeddings=False):
-    """The DeepSpeed config keys the job needs, named by their keys; PACI refusals before any process starts."""
-    from ds_paci.core.seam import compat
-    from ds_paci.core.config import (check_accumulation_window, check_batch_keys, check_fp16, check_zero_stage,
-                                     parse_paci_section)
+    """Core's model-free checks (``ds_paci.core.config.check_config``, the same as ``ds_paci.initialize``'s), then
+    the DeepSpeed config keys the job needs, named by their keys; all before any process starts."""
+    from ds_paci.core.config import check_config as core_check_config
     from ds_paci.core.tied.weights import zero_offload_device
-    paci = _core(parse_paci_section, ds_config.get("paci"))
-    _core(check_batch_keys, ds_config)
-    _core(check_zero_stage, ds_config)
-    if paci.enabled:
-        _core(check_fp16, ds_config)
+    paci = _core(core_check_config, ds_config)
     micro = ds_config.get("train_micro_batch_size_per_gpu")
     gas = ds_config.get("gradient_accumulation_steps")
     if micro is None or gas is None:
@@ -63,11 +57,6 @@ def check_config(ds_config, world_size, stages, config_path, tie_embeddings=Fals
         raise UsageError(f"\"train_batch_size\" {ds_config['train_batch_size']} != micro-batch {micro} x "
                          f"accumulation {gas} x data-parallel {dp}; remove \"train_batch_size\" or make it "
                          f"{micro * gas * dp}")
-    if paci.enabled:
-        _core(check_accumulation_window, paci.accumulation_window, gas)
-        reason = compat.refusal(ds_config)  # what the installed DeepSpeed cannot run under PACI (validate_run's)
-        if reason:
-            raise UsageError(reason)
     # core's tied_arrangement_problem says the same of a built model; the job knows its model is tied before
     # any process group exists (the embedding on the first stage, the LM head on the last), and names its flag
     offload = zero_offload_device(ds_config)
