@@ -5,6 +5,7 @@ checks the graph of imports between the package's own modules.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,57 @@ def test_no_module_over_500_lines_and_no_function_over_80():
                     too_long.append(f"{rel}:{node.lineno} {node.name}: {length} lines "
                                     f"(function limit {MAX_FUNCTION_LINES})")
     assert not too_long, "split these: " + "; ".join(too_long)
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+ARROWS_BEGIN, ARROWS_END = "<!-- core-arrows:begin -->", "<!-- core-arrows:end -->"
+
+
+def core_arrow_lines(graph):
+    """The imports between core's packages as the lines docs/architecture.md holds between its markers."""
+    arrows = core_arrows(graph)
+    return [f"- `{src}` -> " + ", ".join(f"`{dst}`" for dst in sorted(d for s, d in arrows if s == src))
+            for src in sorted({s for s, _ in arrows})]
+
+
+def documented_paths(part):
+    """The module paths (``program/actions.py``, ``bench/``) in the tables of ``ds_paci.<part>``'s section."""
+    text = ARCHITECTURE.read_text()
+    start = text.index(f"### `ds_paci.{part}`")
+    end = text.find("\n### ", start + 1)
+    return set(re.findall(r"^\| `([\w/]+(?:\.py|/))` \|", text[start:end if end > 0 else None], re.M))
+
+
+@pytest.mark.parametrize("part", ["core", "tools"])
+def test_the_architecture_tables_list_every_module_and_nothing_else(part):
+    """Each module of core and tools is a row of its part's table in docs/architecture.md, by its path or under a
+    folder row (``bench/``); every row names a file or folder that exists. The map cannot drift from the code."""
+    root = PACKAGE / part
+    rows = documented_paths(part)
+    assert rows, f"no module table found for ds_paci.{part}"
+    missing_files = sorted(r for r in rows if not (root / r).exists())
+    assert not missing_files, f"docs/architecture.md lists what ds_paci/{part} does not have: {missing_files}"
+    folders = tuple(r for r in rows if r.endswith("/"))
+    unlisted = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                      if p.name not in ("__init__.py", "__main__.py") and str(p.relative_to(root)) not in rows
+                      and not str(p.relative_to(root)).startswith(folders))
+    assert not unlisted, f"modules of ds_paci/{part} missing from docs/architecture.md's table: {unlisted}"
+
+
+def test_the_documented_core_arrows_are_the_code_s(graph):
+    text = ARCHITECTURE.read_text()
+    documented = text[text.index(ARROWS_BEGIN) + len(ARROWS_BEGIN):text.index(ARROWS_END)].strip().splitlines()
+    assert documented == core_arrow_lines(graph), \
+        "docs/architecture.md's core arrows differ from the code: run `python tests/test_layout.py --write`"
+
+
+if __name__ == "__main__":  # python tests/test_layout.py [--write]: print (or write into the doc) core's arrows
+    import sys
+    mods = modules()
+    lines = core_arrow_lines({name: imports_of(name, path, mods) for name, path in mods.items()})
+    if "--write" in sys.argv:
+        text = ARCHITECTURE.read_text()
+        head, rest = text.split(ARROWS_BEGIN)
+        ARCHITECTURE.write_text(head + ARROWS_BEGIN + "\n" + "\n".join(lines) + "\n" + ARROWS_END
+                                + rest.split(ARROWS_END, 1)[1])
+    print("\n".join(lines))
