@@ -3,13 +3,15 @@ an open window's gradients.
 
 :class:`EngineCheckpoints` is a part of :class:`~ds_paci.core.engine.pipeline_engine.PACIPipelineEngine` (a mixin over DeepSpeed's
 ``save_checkpoint`` / ``load_checkpoint``, which it calls through ``super()``); see :mod:`ds_paci.core.checkpoint.atomic`
-and :mod:`ds_paci.core.step.window_state`.
+and :mod:`ds_paci.core.step.window_state`; a load is checked and agreed by every rank before anything changes
+(:mod:`ds_paci.core.engine.resume`).
 """
 
 import os
 
 from ..checkpoint import atomic as checkpoint
 from ..step import window_state
+from . import resume
 from ..seam import deepspeed_internals as ds
 from ..step.guard import assert_finite_weights
 from ..step.local_step import clipping_policy
@@ -32,7 +34,8 @@ class EngineCheckpoints:
         self.drain(close_window=False)
         assert_finite_weights(self)
         state = dict(client_state or {})
-        state["ds_paci"] = {"stream": self._stream.state_dict(), "telemetry": self.telemetry.summary()}
+        state["ds_paci"] = {"stream": self._stream.state_dict(), "telemetry": self.telemetry.summary(),
+                            **resume.saved_state(self)}
         parent_save = super().save_checkpoint
         window = window_state.capture(self) if window_state.needed(self) else None
 
@@ -47,42 +50,27 @@ class EngineCheckpoints:
         return checkpoint.atomic_save(self, save_dir, tag, save_latest, write)
 
     def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """Drain, verify the checkpoint is complete (:class:`~ds_paci.core.checkpoint.atomic.CheckpointError` otherwise),
-        load it, and resume the stream where the saved (drained) one stopped, with its open window if it had one
-        (:class:`~ds_paci.core.step.window_state.WindowStateError` when that cannot be restored on this layout)."""
-        self.drain(close_window=False)
+        """Verify the checkpoint is complete (:class:`~ds_paci.core.checkpoint.atomic.CheckpointError` otherwise) and
+        that its PACI state fits this engine, agreed by every rank before anything changes
+        (:mod:`ds_paci.core.engine.resume`: one line on every rank, the engine untouched); then drain, load it, and
+        resume the stream where the saved (drained) one stopped, with its open window, skip counters and pending
+        tied windows. ``load_module_only=True``: the weights alone, the stream goes on with its window closed."""
+        module_only = bool(kwargs.get("load_module_only", False))
         tag = checkpoint.verified_tag(self, load_dir, tag) or tag
+        universal = getattr(self, "load_universal_checkpoint", lambda: False)()
+        agreed = None
+        if tag is not None and not universal:
+            agreed = resume.plan(self, load_dir, tag, module_only)
+            resume.agree(self, agreed)
+        self.drain(close_window=False)
         path, client_state = super().load_checkpoint(load_dir, tag=tag, **kwargs)
         self._clipping = clipping_policy(self, stock=self._stock_step)  # wrappers restore their saved clip value
         if path is not None:
-            self._load_window(os.path.dirname(path), (client_state or {}).get("ds_paci"))
+            if agreed is None:  # a universal checkpoint: its ds_paci state is known only now
+                agreed = resume.checked(self, os.path.dirname(path), (client_state or {}).get("ds_paci"), module_only)
+                resume.agree(self, agreed)
+            resume.apply(self, agreed)
         self._feed.clear()
         if self._tied is not None and self._tied.check:
             self._tied.verify("after loading a checkpoint")
         return path, client_state
-
-    def _load_window(self, folder, saved):
-        """After DeepSpeed's load: the saved stream position and open window (or none), replacing the current one."""
-        window_state.discard(self)  # the drained engine's own open window does not continue
-        if saved is None:  # not a ds_paci checkpoint: the stream goes on from where it was, window closed
-            self._stream.window_fill = 0
-            return
-        saved_window = saved["stream"].get("window", self._stream.window)
-        if saved["stream"].get("window_fill") and saved_window != self._stream.window:
-            raise window_state.WindowStateError(
-                f"checkpoint {folder} was saved with an open accumulation window ({saved['stream']['window_fill']} of "
-                f"{saved_window} backward passes); this run's window is {self._stream.window}: resume with "
-                f"accumulation window {saved_window}, or save a checkpoint whose windows are closed (engine.drain() "
-                "right before save_checkpoint)")
-        self._stream.load_state_dict(saved["stream"])
-        if self._stream.micro_batches != self.micro_batches:  # resumed with another batch size: the rule's unit
-            self._stream.set_micro_batches(self.micro_batches)
-        self.telemetry.version = self._stream.version
-        state = window_state.read(self, folder)
-        if state is not None:
-            window_state.restore(self, state, f"checkpoint {folder}")
-        elif self._stream.window_fill:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {folder} was saved with an open accumulation window ({self._stream.window_fill} backward "
-                f"passes) but has no {window_state.file_name(self)} for {self._describe_rank()}; load a complete "
-                "checkpoint")

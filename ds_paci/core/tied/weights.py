@@ -191,7 +191,10 @@ class TiedWeights:
     @property
     def lag(self):
         """``L`` for the current window (``set_train_batch_size`` may change a defaulted window; it drains first)."""
-        window = self.ctx.accumulation_window
+        return self.lag_for(self.ctx.accumulation_window)
+
+    def lag_for(self, window):
+        """``L`` for accumulation window ``window`` (a checkpoint's, on load)."""
         return max(tied_lag(self.ctx.num_stages, stages, window) for stages in self.owners.values())
 
     # -- the exchange ----------------------------------------------------------------------
@@ -369,9 +372,12 @@ class TiedWeights:
             self._reap_sends(ex, None, final=True, in_drain=True)
         watchdog.idle()
 
-    def load_pending(self, pending):
+    def load_pending(self, pending, lag=None):
         """Replace every exchange's pending windows by ``pending`` (one ``{version: {"own": message, "recv":
-        {rank: message}}}`` per exchange, as :mod:`ds_paci.core.step.window_state` restores them; ``None``: none)."""
+        {rank: message}}}`` per exchange, as :mod:`ds_paci.core.step.window_state` restores them; ``None``: none),
+        posted under lag ``lag``: where the current lag is smaller (a checkpoint resumed with a larger window), the
+        first step catches up on the windows the old lag held back, as after ``set_train_batch_size``."""
+        self._last_lag = lag if pending else None
         for n, ex in enumerate(self.exchanges):
             ex.pending = {}
             ex.sends = {r: deque() for r in ex.peers}

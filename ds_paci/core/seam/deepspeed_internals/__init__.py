@@ -45,7 +45,8 @@ wrapped parameter's ``_hp_mapping`` (``hp_fragment_address``, ``lp_fragment_addr
 ``round_robin_bit16_offsets``, ``real_dp_process_group``, ``averaged_gradients``, ``cpu_offload``,
 ``model_parallel_group``, ``model_parallel_rank``, ``model_parallel_world_size``, ``clip_grad``,
 ``has_overflow()``, ``use_grad_accum_attribute``, ``partition_gradients``,
-``get_gradient_for_reduction()``; both wrappers' ``overflow``.
+``get_gradient_for_reduction()``, ``clear_backward_seen_flag()`` and a parameter's ``grad_accum`` (its
+window's gradients when ``use_grad_accum_attribute``); both wrappers' ``overflow``.
 
 **Schedule internals**: ``PipelineEngine._INSTRUCTION_MAP`` (instruction class to ``_exec_*`` function, read
 by ``_exec_schedule`` through ``self``, so an engine instance may carry its own table).
@@ -99,7 +100,8 @@ INTERNAL_FIELDS = (
     "bit16_groups", "bit16_groups_flat", "single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups",
     "round_robin_bit16_groups", "round_robin_bit16_meta", "round_robin_bit16_offsets", "averaged_gradients",
     "cpu_offload", "model_parallel_group", "model_parallel_rank", "model_parallel_world_size", "has_overflow",
-    "get_gradient_for_reduction", "use_grad_accum_attribute", "partition_gradients",
+    "get_gradient_for_reduction", "use_grad_accum_attribute", "partition_gradients", "grad_accum",
+    "clear_backward_seen_flag",
     # both wrappers
     "real_dp_process_group", "mpu", "clip_grad", "overflow",
 )

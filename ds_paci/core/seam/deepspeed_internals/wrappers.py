@@ -8,7 +8,7 @@ __all__ = [
     "real_dp_process_group", "use_grad_accum_attribute", "update_lp_params", "hp_fragment",
     "zero_partitions_gradients", "bit16_groups", "bit16_groups_flat", "fp32_partitions", "partitioned_bit16_groups",
     "round_robin_groups", "round_robin_params", "has_flat_offsets", "gradient_for_reduction", "zero_cpu_offload",
-    "zero_has_overflow", "discard_zero_averaged_gradients"
+    "zero_has_overflow", "discard_zero_averaged_gradients", "grad_accum", "set_grad_accum", "zero_reset_backward_flags"
 ]
 
 
@@ -168,6 +168,26 @@ def has_flat_offsets(optimizer):
 def gradient_for_reduction(optimizer, param):
     """ZeRO's ``get_gradient_for_reduction(param)``: the gradient of ``param`` before the DP reduce, or None."""
     return optimizer.get_gradient_for_reduction(param)
+
+
+def grad_accum(param):
+    """ZeRO's ``param.grad_accum``: where it accumulates a window's gradients when ``use_grad_accum_attribute`` (the
+    parameters' dtype differs from ``data_types.grad_accum_dtype``, ZeRO stage 1: bf16 with fp32 accumulation and
+    ``offload_optimizer``); ``None`` where it has none."""
+    return getattr(param, "grad_accum", None)
+
+
+def set_grad_accum(param, value):
+    """Set ZeRO's ``param.grad_accum``."""
+    param.grad_accum = value
+
+
+def zero_reset_backward_flags(optimizer):
+    """ZeRO's ``clear_backward_seen_flag()`` (what ``DeepSpeedEngine.forward`` runs first): it drops ``grad_accum``
+    if a reduce epilogue ran since, and resets the per-backward flags; nothing where the optimizer has none."""
+    reset = getattr(optimizer, "clear_backward_seen_flag", None)
+    if reset is not None:
+        reset()
 
 
 def zero_cpu_offload(optimizer):
