@@ -43,6 +43,7 @@ CACHE = ROOT / ".cache" / "megatron"
 ITERS, STOP = 20, 10
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 LAUNCH_TIMEOUT_S = 480
+ZBH1_REL_TOL = 1e-4  # ZB-H1 against stock: the same sums in another order (see the test)
 
 
 def _port():
@@ -90,9 +91,15 @@ def test_zbh1_prints_the_stock_losses(prepared):
     zbh1 = _launch(prepared, "zbh1", "stock", ["--enable-zbh1-pipeline"])
     assert re.search(r"enable_zbh1_pipeline \.+ True", zbh1.output)
     _assert_iteration_lines(zbh1.log, 1, ITERS)
-    for i in range(1, ITERS + 1):  # the same printed digits: same math, only the weight gradients run later
-        assert zbh1.log.iterations[i]["lm loss text"] == stock.log.iterations[i]["lm loss text"], i
-    assert zbh1.log.validation["final"] == stock.log.validation["final"]
+    # Same math in another order: ZB-H1 sums the weight gradients in a separate pass, so float rounding may differ
+    # in the last printed digit (seen on one CPU: 6.685308E+00 vs 6.685309E+00 at iteration 7). A relative tolerance
+    # of 1e-4 is a thousand times that rounding and far below what a wrong gradient does (losses move by >1e-2 per
+    # iteration here). Bit-identity stays where the arithmetic is the same (sync PACI = stock, resumed = whole).
+    for i in range(1, ITERS + 1):
+        z, s = float(zbh1.log.iterations[i]["lm loss text"]), float(stock.log.iterations[i]["lm loss text"])
+        assert z == pytest.approx(s, rel=ZBH1_REL_TOL), (i, z, s)
+    z, s = float(zbh1.log.validation["final"]), float(stock.log.validation["final"])
+    assert z == pytest.approx(s, rel=ZBH1_REL_TOL), (z, s)
 
 
 def _launch(prepared, name, mode, extra=(), nproc=2):
