@@ -1,4 +1,5 @@
-# Two commands: `make train` (the default job) and `make test` (the whole suite).
+# Two commands: `make train` (the default job) and `make test` (the whole suite). `make test-fast` runs the in-process
+# tier alone (tests not marked `process`; about a minute here): pytest.ini and tests/conftest.py say what the tiers are.
 # Both create .venv when it is missing and install pinned dependencies into it.
 PYTHON ?= python3
 VENV ?= .venv
@@ -34,7 +35,7 @@ OLDEST_TESTS ?= 'tests/test_engine.py::test_micro_batches_crossing_a_local_step_
 	tests/test_contract.py::test_sync_mode_is_the_stock_engine_with_deepspeeds_default_clipping \
 	tests/test_config.py tests/test_compat.py tests/test_deepspeed_seam.py
 
-.PHONY: setup train train-flush test test-oldest bench peers simulate clean
+.PHONY: setup train train-flush test test-fast test-oldest bench peers simulate clean
 
 setup: $(STAMP)
 
@@ -65,6 +66,10 @@ $(MEGATRON_STAMP): $(STAMP) setup.py
 test: $(STAMP) $(MEGATRON_STAMP)
 	# the oldest DeepSpeed runs even when the main suite fails; either failing fails `make test`
 	$(PY) -m pytest tests -q --durations=15; status=$$?; $(MAKE) test-oldest && exit $$status
+
+# the in-process tier: no test here starts a process (tests/conftest.py fails one that does)
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q -m "not process"
 
 $(OLD_STAMP): setup.py Makefile
 	$(call make_venv,$(OLD_VENV),$(DS_OLDEST))

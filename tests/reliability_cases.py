@@ -15,7 +15,8 @@ import os
 import statistics
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import REPO_ROOT as ROOT
+
 PENDING = "pending"
 SUITE = "tests/test_reliability.py"  # every test function in this file must appear in some case
 

@@ -286,6 +286,7 @@ def test_markdown_tables_say_emulated_for_emulated_rows_only():
 # -- end to end ----------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_smoke_preset_writes_json_markdown_and_plots(tmp_path, tied):
     out = tmp_path / "results"

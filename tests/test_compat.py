@@ -5,14 +5,12 @@ on the newest version by `make test` and on the oldest by `make test-oldest`.
 """
 
 import re
-from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
 from ds_paci.core.seam import compat
-
-ROOT = Path(__file__).resolve().parent.parent
+from harness import REPO_ROOT as ROOT
 
 
 def test_setup_makefile_and_compat_declare_the_same_range():

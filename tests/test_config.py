@@ -93,6 +93,7 @@ def test_load_config_from_dict_path_and_args(tmp_path):
         load_config(None, None)
 
 
+@pytest.mark.process
 def test_initialize_refuses_unsupported_runs_on_every_rank():
     results = run_world(workers.initialize_errors, 2, timeout=120)
     for out in results:  # identical decisions on both ranks: nobody is left waiting

@@ -12,6 +12,8 @@ import contract_workers
 from harness import run_world
 from ds_paci.core.seam import compat
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 def loss_bound(stages, stage, gas):
     """Calls by which stage ``stage``'s loss can lag the last stage's, from the pipeline's data dependencies."""

@@ -32,6 +32,7 @@ def training_state(record):
     return out
 
 
+@pytest.mark.process
 def test_counters_follow_calls_and_drains_add_no_step(tmp_path):
     """P = 4, M = 1, "auto" (a = 3), tied weights: per-call counters and scheduler as on the stock engine; evaluation
     after every call adds no optimizer or scheduler step; a save with a window open resumes exactly."""
@@ -80,6 +81,7 @@ def test_counters_follow_calls_and_drains_add_no_step(tmp_path):
 BF16 = [] if compat.DS_BF16_GETS_UNFUSED else ["bf16"]
 
 
+@pytest.mark.process
 def test_every_optimizer_path_passes_the_collective_check_and_resumes_an_open_window(tmp_path):
     """PP = 2 x DP = 2, a = 3, M = 2, check forced on: torch.optim, DeepSpeed's AdamW, BF16_Optimizer, ZeRO-1."""
     paths = ("torch.optim", "configured", *BF16, "zero1")
@@ -110,6 +112,7 @@ def test_every_optimizer_path_passes_the_collective_check_and_resumes_an_open_wi
             assert_same_weights(w0, w1, f"{path} stage {stage} replicas")
 
 
+@pytest.mark.process
 @pytest.mark.skipif(compat.DS_BF16_GETS_UNFUSED, reason="bf16 is refused on this DeepSpeed version")
 def test_a_cross_stage_collective_in_a_local_step_is_refused_with_one_line():
     started = time.monotonic()

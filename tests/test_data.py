@@ -232,7 +232,8 @@ def test_independent_instances_are_identical_and_ignore_global_rng():
     assert differs, "the seed must matter"
 
 
-def test_instances_in_another_process_are_identical(tmp_path):
+@pytest.mark.process
+def test_instances_in_another_process_are_identical(tmp_path, repo_root):
     script = textwrap.dedent("""
         import sys, torch
         from ds_paci.workload.data import MicroBatchIterator
@@ -242,8 +243,7 @@ def test_instances_in_another_process_are_identical(tmp_path):
     """)
     out = tmp_path / "batches.pt"
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    subprocess.run([sys.executable, "-c", script, str(out)], check=True, env=env,
-                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, env=env, cwd=repo_root)
     theirs = torch.load(out)
     it = MicroBatchIterator(torch.arange(50000) % 251, 2, 32, seed=11, dp_rank=1, dp_size=2)
     for (x, y), (tx, ty) in zip((next(it) for _ in range(50)), theirs):

@@ -29,10 +29,11 @@ import importlib
 import inspect
 import pathlib
 
-from ds_paci.core.seam import deepspeed_internals
-from harness import run_world
+import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from ds_paci.core.seam import deepspeed_internals
+from harness import REPO_ROOT as ROOT, run_world
+
 SCANNED = ("ds_paci", "launch", "scripts")
 SEAM = ROOT / "ds_paci" / "core" / "seam" / "deepspeed_internals"  # the seam: one package (the list in its __init__)
 SEAM_FILES = sorted(SEAM.glob("*.py"))
@@ -298,6 +299,7 @@ def test_the_seam_module_documents_every_function_and_imports_only_torch_and_dee
         assert f"``{field}" in doc, field
 
 
+@pytest.mark.process
 def test_the_benchmark_tracer_leaves_deepspeeds_instruction_table_unchanged():
     import seam_workers
     results = run_world(seam_workers.traced_stock_engine, 2, 2, timeout=240)

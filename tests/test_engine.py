@@ -14,6 +14,8 @@ from ds_paci.core.seam import compat
 from ds_paci.core.program.stream import drift_bound
 from spy import POINT_TO_POINT, cross_stage_collectives, pipeline_transfers, side_channel_transfers
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 def max_weight_diff(a, b):
     assert a.keys() == b.keys()

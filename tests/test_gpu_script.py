@@ -10,13 +10,15 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_quality_check.py"
+import pytest
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
-def test_gpu_quality_script_dry_run_produces_every_part(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], capture_output=True,
+def test_gpu_quality_script_dry_run_produces_every_part(tmp_path, repo_root):
+    script = repo_root / "scripts" / "gpu_quality_check.py"
+    done = subprocess.run([sys.executable, str(script), "--dry-run", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_quality.json").read_text())

@@ -6,11 +6,12 @@ checks the graph of imports between the package's own modules.
 
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ds_paci"
+from harness import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "ds_paci"
 
 # part -> parts it must never import (``ds_paci`` alone is the public facade over core)
 FORBIDDEN = {

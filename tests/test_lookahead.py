@@ -60,6 +60,7 @@ def test_predictor_equals_torch_optimizer_step_with_the_complete_window(name, ma
     assert _check_next_step(make, AdamRule.of_torch) <= 1e-6
 
 
+@pytest.mark.process
 def test_predictor_equals_deepspeed_fused_adam_step():
     """DeepSpeed's FusedAdam (its CPU kernel here; JIT-built once into TORCH_EXTENSIONS_DIR), AdamW and L2 modes."""
     from deepspeed.ops.adam import FusedAdam
@@ -166,6 +167,7 @@ def test_crossing_forwards_are_tagged_from_the_stream():
 
 
 # -- engine: real DeepSpeed engines in real processes ------------------------------------------------------
+@pytest.mark.process
 def test_crossing_forwards_see_predicted_weights_everything_else_sees_real_weights(tmp_path):
     """P=2, a=M=2, torch.optim AdamW, recompute restore (the default).
 
@@ -213,6 +215,7 @@ def test_crossing_forwards_see_predicted_weights_everything_else_sees_real_weigh
     assert "inside a crossing forward" in results[0]["error"] and "F" in results[0]["error"].split(" in ")[1]
 
 
+@pytest.mark.process
 def test_predictor_given_the_complete_window_equals_the_next_step_for_every_optimizer_and_precision():
     """Every engine path the look-ahead predicts, on 2 stages with a = M = 2: torch.optim Adam/AdamW/SGD/Muon passed
     to initialize, DeepSpeed's configured AdamW (torch and FusedAdam), Adam with L2 decay, SGD and Muon

@@ -210,6 +210,7 @@ def test_a_non_finite_window_gradient_predicts_nothing():
     assert la.stats()["nonfinite_forwards"] == 1 and la.stats()["predicted_forwards"] == 1
 
 
+@pytest.mark.process
 def test_the_cost_and_error_script_runs(tmp_path):
     """Smoke run of scripts/lookahead_costs.py (tiny sizes): its error figures hold (the clip predicted: exact;
     ignored: far off), so the script behind the README's table cannot rot."""

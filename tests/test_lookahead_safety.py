@@ -101,6 +101,7 @@ def test_a_restore_that_fails_twice_is_reported_and_nothing_runs_on_those_weight
 
 
 # -- engine: real DeepSpeed engines in real processes ------------------------------------------------------
+@pytest.mark.process
 def test_an_engine_whose_prediction_forward_or_restore_fails_has_its_real_weights_bit_for_bit():
     """P = 2, torch.optim AdamW with two param groups, the default restore. Stage 0 fails in its next crossing
     forward: computing the prediction of param group 0, of param group 1 (an injected out-of-memory in the foreach
@@ -121,6 +122,7 @@ def test_an_engine_whose_prediction_forward_or_restore_fails_has_its_real_weight
         assert "inside a backward" in results[1][point]["error"]
 
 
+@pytest.mark.process
 def test_data_parallel_replicas_stay_bit_identical_with_the_lookahead_on():
     """P = 2 x DP = 2, torch.optim AdamW, each replica its own data, "lookahead_restore": "recompute" asked for:
     the engine restores by copy there, and after every call the two replicas of each stage hold the same weights

@@ -2,8 +2,12 @@
 
 import time
 
+import pytest
+
 import contract_workers
 from harness import run_world
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
 def test_channel_delivers_every_message_in_order_and_shuts_down_with_receives_pending():

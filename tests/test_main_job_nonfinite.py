@@ -3,28 +3,21 @@
 import json
 import math
 import os
-import socket
 import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+import pytest
 
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
-def test_main_job_skips_a_nan_micro_batch_and_says_so(tmp_path):
+def test_main_job_skips_a_nan_micro_batch_and_says_so(tmp_path, repo_root, launch_command):
     metrics = tmp_path / "metrics.jsonl"
-    env = dict(os.environ, DS_ACCELERATOR="cpu", DS_PACI_CACHE_DIR=os.path.join(ROOT, ".cache", "ds_paci"))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", DS_PACI_CACHE_DIR=os.path.join(repo_root, ".cache", "ds_paci"))
     # configs/paci.json: M = a = 4, so micro-batch 9 lies in step 3 on both stages
-    cmd = [DEEPSPEED, "--num_gpus", "2", "--master_port", str(_port()), "tests/scripts/nan_job.py", "--nan-at", "9",
-           "--deepspeed_config", "configs/paci.json", "--steps", "6", "--eval-interval", "0", "--eval-batches", "1",
-           "--log-interval", "3", "--metrics", str(metrics), "--checkpoint-dir", str(tmp_path / "ckpt")]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    cmd = launch_command(2, "tests/scripts/nan_job.py", "--nan-at", "9", "--deepspeed_config", "configs/paci.json",
+                         "--steps", "6", "--eval-interval", "0", "--eval-batches", "1", "--log-interval", "3",
+                         "--metrics", metrics, "--checkpoint-dir", tmp_path / "ckpt")
+    run = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-3000:]
     progress = [l for l in run.stdout.splitlines() if l.startswith("step      3/6 | loss")]

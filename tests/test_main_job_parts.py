@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
@@ -23,8 +22,7 @@ from ds_paci.mainjob.loop import Cadence
 from ds_paci.mainjob.metrics import JobShape, TrainingMetrics, drift_text, progress_line
 from ds_paci.mainjob.options import UsageError
 from ds_paci.mainjob.summary import summary_lines, summary_record
-
-ROOT = Path(__file__).resolve().parent.parent
+from harness import REPO_ROOT as ROOT
 
 
 # == the cadence =========================================================================================
@@ -223,6 +221,7 @@ def test_no_module_over_500_lines_and_no_function_over_80():
     assert not big, big
 
 
+@pytest.mark.process
 def test_launch_train_is_the_entry_point():
     env = dict(os.environ, WORLD_SIZE="2", RANK="0")
     run = subprocess.run([sys.executable, "launch/train.py", "--deepspeed_config", "configs/paci.json", "--steps",

@@ -244,6 +244,7 @@ def _one_stage_tied_world(rank):
             "n_params": (sum(p.numel() for p in pipe.parameters()), sum(p.numel() for p in ref.parameters()))}
 
 
+@pytest.mark.process
 def test_one_stage_tied_pipeline_equals_tied_reference_model():
     (out,) = run_world(_one_stage_tied_world, 1, timeout=120)
     assert out["n_params"][0] == out["n_params"][1]
@@ -251,6 +252,7 @@ def test_one_stage_tied_pipeline_equals_tied_reference_model():
     assert torch.allclose(out["wte_grad"], out["ref_wte_grad"], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.process
 def test_one_stage_pipeline_equals_reference_model():
     (out,) = run_world(_one_stage_world, 1, timeout=120)
     plain = ["Embedding", "Block", "Block", "Block", "FinalNorm", "LMHead"]
@@ -284,6 +286,7 @@ def _two_stage_world(rank):
     return result
 
 
+@pytest.mark.process
 def test_two_stage_partition_keeps_emulated_time_with_its_block():
     stages = run_world(_two_stage_world, 2, timeout=120)
     for n_layer in (3, 4):

@@ -16,11 +16,13 @@ import time
 import pytest
 
 import multinode_workers
-from harness import run_world
+from harness import REPO_ROOT as ROOT, free_port, run_world
 from ds_paci.core.checkpoint import atomic as checkpoint
 from ds_paci.core.checkpoint import choice
-from ds_paci.tools.processes.local_nodes import Node, free_port, node_command, stop_all, write_hostfile
-from ds_paci.tools.studies.savekill import ROOT, TINY, small_corpus, step_of
+from ds_paci.tools.processes.local_nodes import Node, node_command, stop_all, write_hostfile
+from ds_paci.tools.studies.savekill import TINY, small_corpus, step_of
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 BOUND_S = 30  # the README's bound is a few seconds; this margin is for a loaded 2-core machine
 

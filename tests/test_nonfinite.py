@@ -5,9 +5,13 @@ A NaN micro-batch is injected by a test-only wrapper around the model's loss (co
 
 import math
 
+import pytest
+
 import contract_workers
 from ds_paci.core.seam import compat
 from harness import run_world
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
 def test_a_nan_micro_batch_is_skipped_on_every_stage_never_applied():

@@ -121,6 +121,7 @@ def test_the_partition_is_deepspeeds_type_block_partition():
         check_cell(PeerCell(4, 4, ratio="1:3:1"))
 
 
+@pytest.mark.process
 def test_smoke_study_synchronous_engines_agree_with_stock(tmp_path):
     """Two synchronous schedules beside stock and PACI + look-ahead, one cell, three steps, real processes."""
     out = tmp_path / "peers"

@@ -6,6 +6,8 @@ import torch
 import program_workers
 from harness import run_world
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 
 @pytest.mark.parametrize("stages,gas,paci", [
     (2, 4, {"enabled": True, "accumulation_window": 2}),  # async: look-ahead facts, the tied exchange, drains

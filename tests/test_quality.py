@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from ds_paci.core.program.stream import drift_bound
 from ds_paci.tools.studies.quality import grid, report, sweep
 
@@ -80,6 +82,7 @@ def test_muon_table_sets_each_muon_cell_beside_the_same_adamw_cell():
     assert len(table.splitlines()) == 2 + 6
 
 
+@pytest.mark.process
 def test_sweep_runs_resume_from_their_json_lines(tmp_path):
     tiny = dataclasses.replace(grid.make_run(4, 2, "lookahead", grid.auto_windows(4, 2), 3e-3, grid.SEEDS[0]),
                                steps=6, common_steps=4)

@@ -22,13 +22,11 @@ import torch
 
 import fault_workers
 import reliability_cases
-from harness import run_world
+from harness import REPO_ROOT as ROOT, run_world
 from ds_paci.core.checkpoint import atomic as checkpoint
 from ds_paci.core.health import lifecycle
 from ds_paci.core.config import PACIConfigError, check_accumulation_window, parse_paci_section
 from ds_paci.tools.studies.savekill import TINY, Run, kill_during_save, small_corpus, step_of
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # == checkpoints ===================================================================================
@@ -39,6 +37,7 @@ def protocol(tmp_path_factory):
     return run_world(fault_workers.save_protocol, 2, str(root), timeout=300)
 
 
+@pytest.mark.process
 def test_every_disk_step_of_a_save_leaves_latest_complete(protocol):
     kinds = {e for r in protocol for e, _ in r["events"]}
     assert kinds == {"write", "written", "manifest", "rename", "link", "latest"}, kinds
@@ -59,6 +58,7 @@ def test_every_disk_step_of_a_save_leaves_latest_complete(protocol):
                         for s in swap)
 
 
+@pytest.mark.process
 def test_deepspeed_layout_and_stock_engine_interplay(protocol):
     out = protocol[0]
     assert out["files"] == ["A", "B", "latest"]  # no staging leftovers
@@ -71,6 +71,7 @@ def test_deepspeed_layout_and_stock_engine_interplay(protocol):
         assert r["stock_save"] == ("global_step2", "complete") and r["stock_reload"] == ("stock", "stock")
 
 
+@pytest.mark.process
 def test_partial_checkpoint_is_refused_with_one_line(protocol):
     for r in protocol:
         for case in ("truncated", "missing", "absent"):
@@ -83,6 +84,7 @@ def test_partial_checkpoint_is_refused_with_one_line(protocol):
         assert r["legacy"] == "B2"
 
 
+@pytest.mark.process
 def test_stop_agreement_bound(protocol):
     for r in protocol:
         assert r["agreement"] == {"boundary": 3, "code": signal.SIGTERM, "rank": 1}
@@ -133,6 +135,7 @@ def test_resume_plan_falls_back_to_the_last_complete_checkpoint(tmp_path):
         checkpoint.resume_tag(e)
 
 
+@pytest.mark.process
 def test_a_rank_killed_during_a_save_leaves_a_resumable_checkpoint(tmp_path):
     # (victim, disk step, which occurrence, cut the file first, re-save of the same tag) -> content resumed
     scenarios = [
@@ -168,6 +171,7 @@ def _stop_step(run):
     return int(line.split("stopped at step ")[1].split()[0])
 
 
+@pytest.mark.process
 def test_stop_signal_to_one_rank_saves_and_resume_continues(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     # 1. SIGTERM to stage 1 only: every rank stops after the same step and saves there (no --save-interval)
@@ -217,6 +221,7 @@ def test_stop_signal_to_one_rank_saves_and_resume_continues(tmp_path):
     assert "==== summary" in run.output
 
 
+@pytest.mark.process
 def test_launched_jobs_see_sigint_as_from_a_terminal_even_when_the_suite_ignores_it():
     # `make test &` in a shell without job control starts the suite with SIGINT and SIGQUIT ignored; the jobs the
     # stop tests launch must not inherit that, or DeepSpeed's runner ignores the SIGINT they send it
@@ -229,6 +234,7 @@ def test_launched_jobs_see_sigint_as_from_a_terminal_even_when_the_suite_ignores
     assert out.returncode == 0 and out.stdout.split()[-2:] == ["True", "True"], (out.stdout, out.stderr[-2000:])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("target,sig", [("runner", signal.SIGTERM), ("runner", signal.SIGINT),
                                         ("launcher", signal.SIGKILL)],
                          ids=["runner-SIGTERM", "runner-SIGINT", "launcher-SIGKILL"])
@@ -273,6 +279,7 @@ def _ready(proc):
     assert proc.stdout.readline().strip() == "ready"
 
 
+@pytest.mark.process
 def test_stop_controller_modes_and_deadline():
     blocked = textwrap.dedent("""
         libc = ctypes.CDLL(None)
@@ -320,6 +327,7 @@ def test_stop_controller_modes_and_deadline():
     assert "again while stopping; exiting now" in p.stderr.read()
 
 
+@pytest.mark.process
 def test_a_process_whose_parent_dies_exits():
     assert lifecycle.is_launcher(["/v/bin/python", "/v/bin/deepspeed", "--num_gpus", "2", "train.py"])
     assert lifecycle.is_launcher(["/v/bin/python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=x"])

@@ -11,6 +11,8 @@ import pytest
 
 from ds_paci.tools.replay.check import CheckSpec, compare, replay_run, run_engine
 
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 CASES = {
     2: [CheckSpec(2, 2, "stock"), CheckSpec(2, 2, "paci"), CheckSpec(2, 2, "lookahead", window=3)],
     4: [CheckSpec(4, 2, "paci"), CheckSpec(4, 2, "lookahead", window="auto")],

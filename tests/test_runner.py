@@ -4,23 +4,14 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
-import sys
 
 import pytest
 
 from ds_paci.integrations.runner import split_argv
+from harness import BIN, REPO_ROOT as ROOT, launch_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.dirname(sys.executable)
 SCRIPT = os.path.join("tests", "scripts", "ds_pipeline_script.py")
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _configs(tmp_path):
@@ -42,11 +33,11 @@ def _run(cmd, tmp_path, extra_env=None):
     return [json.load(open(tmp_path / "out" / f"rank{r}.json")) for r in range(2)]
 
 
+@pytest.mark.process
 def test_unmodified_script_through_the_deepspeed_launcher(tmp_path):
     cfg = _configs(tmp_path)
-    cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(_port()), "--module", "ds_paci.run",
-           SCRIPT, "--deepspeed_config", cfg["paci"], "--then-config", cfg["stock"], "--out", str(tmp_path / "out"),
-           "--steps", "6"]
+    cmd = launch_command(2, "--module", "ds_paci.run", SCRIPT, "--deepspeed_config", cfg["paci"], "--then-config",
+                         cfg["stock"], "--out", tmp_path / "out", "--steps", "6")
     ranks = _run(cmd, tmp_path)
     for rank, r in enumerate(ranks):
         # the script ran as `deepspeed script.py` runs it
@@ -61,11 +52,12 @@ def test_unmodified_script_through_the_deepspeed_launcher(tmp_path):
     assert all(math.isnan(x) or x in last for x in first) and not math.isnan(first[-1])
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("torchrun", path=BIN) is None, reason="torchrun not installed")
 def test_megatron_style_config_dict_under_torchrun(tmp_path):
     cfg = _configs(tmp_path)
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port()), "-m", "ds_paci.run",
-           SCRIPT, "--deepspeed_config", cfg["paci"], "--megatron-style", "--out", str(tmp_path / "out"), "--steps", "4"]
+    cmd = launch_command(2, "-m", "ds_paci.run", SCRIPT, "--deepspeed_config", cfg["paci"], "--megatron-style",
+                         "--out", tmp_path / "out", "--steps", "4", launcher="torchrun")
     ranks = _run(cmd, tmp_path, {"LOCAL_SIZE": "2"})
     assert [r["runs"][0]["engine"] for r in ranks] == ["PACIPipelineEngine"] * 2
     assert ranks[1]["runs"][0]["losses"][-1] < ranks[1]["runs"][0]["losses"][0]

@@ -9,6 +9,8 @@ checkpoint that a fresh engine loads with the trained weights.
 import math
 import os
 
+import pytest
+
 import reliability_cases
 from ds_paci.core.checkpoint.atomic import COMPLETE, read_latest, verify
 from ds_paci.tools.studies import soak
@@ -16,6 +18,7 @@ from ds_paci.tools.studies import soak
 CALLS, EVERY, SAMPLE = 120, 40, 10
 
 
+@pytest.mark.process
 def test_a_short_soak_samples_every_rank_bounds_tied_transfers_and_resumes(tmp_path):
     """2 stages (tied embedding), a = 1 with M = 2 (two local steps per call, L = 2), 120 calls, an evaluation
     and a save every 40: the series, the bound on transfers in flight, the rotated checkpoints, the resume."""

@@ -157,6 +157,7 @@ def check_spy(results, mode):
         assert all(c.op in POINT_TO_POINT or c.op in COLLECTIVES for c in m["calls"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stages,gas,window,client", [(2, 2, None, False), (4, 2, None, True)],
                          ids=["P2-a2-L1-configured-AdamW", "P4-a2-L2-torch.optim"])
 def test_async_tied_copies_stay_bit_identical(stages, gas, window, client):
@@ -192,6 +193,7 @@ def workers_init_embedding(stages):
     return TokenEmbedding(cfg, init_seed=layer_seeds(cfg, 11)["embedding"]).wte.weight.detach().float()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 def test_tied_sync_mode_equals_stock_and_async_keeps_copies(bf16):
     results = run_world(workers.tied_training, 2, 2, 4, 4, None, bf16, 0, False, ("stock", "sync", "async"),
@@ -210,6 +212,7 @@ def test_tied_sync_mode_equals_stock_and_async_keeps_copies(bf16):
     check_spy(results, "async")
 
 
+@pytest.mark.process
 def test_tied_with_zero1_and_data_parallel_replicas():
     """PP = 2 x DP = 2, ZeRO-1: sync equals stock; async copies identical across stages and replicas."""
     results = run_world(workers.tied_training, 4, 2, 4, 2, None, False, 1, False, ("stock", "sync", "async"),
@@ -230,6 +233,7 @@ def test_tied_with_zero1_and_data_parallel_replicas():
     check_spy(results, "async")
 
 
+@pytest.mark.process
 def test_checkpoint_in_async_training_with_tied_layers_resumes_exactly(tmp_path):
     paci = {"enabled": True}
     part = run_world(workers.train_eval_save, 2, 2, paci, 4, 3, str(tmp_path / "ckpt"), 4, True, timeout=240)
@@ -245,6 +249,7 @@ def test_checkpoint_in_async_training_with_tied_layers_resumes_exactly(tmp_path)
     assert resumed[0]["version"] == part[0]["version_at_save"] + 3
 
 
+@pytest.mark.process
 def test_a_hang_in_the_tied_exchange_is_named_by_the_watchdog():
     status, out, logs = run_world(workers.tied_peer_never_posts, 2, 5, timeout=90, expect_failure=True)
     assert status[1] == "exit 86", status
@@ -319,6 +324,7 @@ def reference_tied_mlp(P, layers, gas, window, calls, lr, lag, seed=7, clip=0.0)
     return W
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stages,window", [(2, 2), (2, 1), (3, 1)], ids=["P2-a2-L1", "P2-a1-L2", "P3-a1-L3"])
 def test_tied_update_equals_a_hand_written_reference(stages, window):
     layers, gas, calls, lr = 2 * stages, 2, 5, 0.2
@@ -343,6 +349,7 @@ def test_tied_update_equals_a_hand_written_reference(stages, window):
                        results[-1]["weights"]["tied_modules.w.linear.weight"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("stages,window", [(2, 1)], ids=["P2-a1-L2"])
 def test_tied_clipping_equals_a_hand_written_reference(stages, window):
     """Async clipping with tied layers (issue 16): each stage clips its own gradient by its own norm, each window's

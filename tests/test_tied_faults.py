@@ -46,6 +46,7 @@ def check_run(ranks, steps, lag, owners):
     assert math.isfinite(ranks[-1]["records"][-1]["loss"])
 
 
+@pytest.mark.process
 def test_one_nan_micro_batch_keeps_tied_copies_identical_on_every_optimizer_path(tmp_path):
     """2 stages, tied first/last layer, clipping on, micro-batch 5 NaN (window 3 of a = 2, L = 1): every owner
     skips its own window-3 gradient at step 3 and the window-3 tied total at step 4, copies stay bit-identical
@@ -68,6 +69,7 @@ def test_one_nan_micro_batch_keeps_tied_copies_identical_on_every_optimizer_path
     assert all(r["checks"] >= 2 for r in resumed) and all(math.isfinite(x) for x in resumed[1]["losses"])
 
 
+@pytest.mark.process
 def test_four_stage_tied_gpt_trains_on_through_a_nan_with_clipping():
     """Tiny GPT on 4 stages, embedding and LM head tied (L = 2 at a = 2), DeepSpeed's AdamW, clipping 0.5."""
     stages, gas, window, calls, bad = 4, 2, 2, 8, 5
@@ -78,6 +80,7 @@ def test_four_stage_tied_gpt_trains_on_through_a_nan_with_clipping():
     assert {"embed.0.exp_avg", "embed.0.exp_avg_sq", "embed.0.step"} <= set(owner["tied"])
 
 
+@pytest.mark.process
 def test_a_nan_on_one_data_parallel_replica_is_skipped_by_every_replica_and_owner():
     """PP = 2 x DP = 2 under ZeRO-1: the NaN reaches replica 0 only; the finite flag is combined over the replicas
     before the exchange, so all four copies (two stages x two replicas) take the same decisions."""
@@ -86,6 +89,7 @@ def test_a_nan_on_one_data_parallel_replica_is_skipped_by_every_replica_and_owne
     check_run(results, steps=5, lag=1, owners=4)
 
 
+@pytest.mark.process
 def test_pending_tied_sends_stay_bounded_over_50_local_steps_without_a_drain():
     """a = 1 on 2 stages (L = 2), 25 calls of M = 2: 50 local steps, no drain. Each rank holds at most L + 1 tied
     messages alive (before issue 16 every send stayed pending until the drain: one more per step). The order of

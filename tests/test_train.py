@@ -3,25 +3,18 @@
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEEPSPEED = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+from harness import REPO_ROOT as ROOT, launch_command
+
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 
 def launch(args, nproc=2, timeout=360):
     env = dict(os.environ, DS_ACCELERATOR="cpu", DS_PACI_CACHE_DIR=os.path.join(ROOT, ".cache", "ds_paci"))
-    cmd = [DEEPSPEED, "--num_gpus", str(nproc), "--master_port", str(_port()), "launch/train.py"] + args
+    cmd = launch_command(nproc, "launch/train.py", *args)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_metrics(path):

@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -36,20 +35,16 @@ import numpy as np
 import pytest
 
 from ds_paci.integrations import megatron
+from harness import REPO_ROOT as ROOT, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+
 SHIMS = Path(__file__).resolve().parent / "env_shims"
 CACHE = ROOT / ".cache" / "megatron"
 ITERS, STOP = 20, 10
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 LAUNCH_TIMEOUT_S = 480
 ZBH1_REL_TOL = 1e-4  # ZB-H1 against stock: the same sums in another order (see the test)
-
-
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +108,7 @@ def _launch(prepared, name, mode, extra=(), nproc=2):
         args = megatron.gpt_args(prepared["data"], train_iters=ITERS, cache_dir=out / "index-cache") + NO_DROPOUT
         extra = [str(x) for x in extra]
         cmd = megatron.launch_command(prepared["tree"], args + list(extra), out / "ds.json", nproc=nproc,
-                                      port=_port(), bin_dir=os.path.dirname(sys.executable))
+                                      port=free_port(), bin_dir=os.path.dirname(sys.executable))
         runs[name] = megatron.run(cmd, prepared["env"], cwd=ROOT, log_path=out / "log.txt", timeout=LAUNCH_TIMEOUT_S)
         print(f"megatron launch {name}: rc {runs[name].returncode}, {runs[name].wall_s:.1f} s")
     launch = runs[name]
