@@ -12,6 +12,10 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
 CONFIG ?= configs/paci.json
 TRAIN_ARGS ?=
+# pytest-xdist workers of `make test` (tests sharing a module fixture's launches run on one: xdist_group); 0 runs
+# the suite in one process
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 DS_ARGS ?=  # launcher options, e.g. DS_ARGS="--master_port 23456" when other jobs use the default port
 
 # Supported DeepSpeed: DS_OLDEST to DS_NEWEST (setup.py, ds_paci/core/seam/compat.py). .venv gets the newest; `make test`
@@ -65,7 +69,7 @@ $(MEGATRON_STAMP): $(STAMP) setup.py
 
 test: $(STAMP) $(MEGATRON_STAMP)
 	# the oldest DeepSpeed runs even when the main suite fails; either failing fails `make test`
-	$(PY) -m pytest tests -q --durations=15; status=$$?; $(MAKE) test-oldest && exit $$status
+	$(PY) -m pytest tests -q --durations=15 $(XDIST); status=$$?; $(MAKE) test-oldest && exit $$status
 
 # the in-process tier: no test here starts a process (tests/conftest.py fails one that does)
 test-fast: $(STAMP)
@@ -75,7 +79,7 @@ $(OLD_STAMP): setup.py Makefile
 	$(call make_venv,$(OLD_VENV),$(DS_OLDEST))
 
 test-oldest: $(OLD_STAMP)
-	TORCH_EXTENSIONS_DIR=$(abspath $(OLD_VENV))/torch_extensions $(OLD_PY) -m pytest $(OLDEST_TESTS) -q
+	TORCH_EXTENSIONS_DIR=$(abspath $(OLD_VENV))/torch_extensions $(OLD_PY) -m pytest $(OLDEST_TESTS) -q $(XDIST)
 
 bench: $(STAMP)
 	$(PY) -m ds_paci.tools.bench --preset headline --out docs/results

@@ -16,7 +16,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest"],
+        "test": ["pytest", "pytest-xdist"],  # `make test` runs two workers (-n 2 --dist loadgroup)
         # What Megatron-DeepSpeed's pretrain_gpt.py and tools/preprocess_data.py import beyond ds_paci's own
         # dependencies: the integration test (tests/megatron) runs the real program. transformers is already ours.
         "megatron-test": ["pybind11==3.1.0", "regex==2026.11.19", "six==1.17.0", "einops==0.8.2", "nltk==3.10.4"],

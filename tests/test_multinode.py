@@ -22,7 +22,8 @@ from ds_paci.core.checkpoint import choice
 from ds_paci.tools.processes.local_nodes import Node, node_command, stop_all, write_hostfile
 from ds_paci.tools.studies.savekill import TINY, small_corpus, step_of
 
-pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+pytestmark = [pytest.mark.process,  # every test here starts processes (tests/conftest.py)
+              pytest.mark.xdist_group("multinode")]  # one worker: the tests share the module fixture's world
 
 BOUND_S = 30  # the README's bound is a few seconds; this margin is for a loaded 2-core machine
 

@@ -28,6 +28,8 @@ from ds_paci.core.health import lifecycle
 from ds_paci.core.config import PACIConfigError, check_accumulation_window, parse_paci_section
 from ds_paci.tools.studies.savekill import TINY, Run, kill_during_save, small_corpus, step_of
 
+pytestmark = pytest.mark.xdist_group("reliability")  # one worker: the checkpoint tests share the protocol fixture's world
+
 
 # == checkpoints ===================================================================================
 @pytest.fixture(scope="module")

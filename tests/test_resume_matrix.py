@@ -14,6 +14,8 @@ import pytest
 import resume_workers
 from harness import run_world
 
+pytestmark = pytest.mark.xdist_group("resume_matrix")  # one worker: the tests share the module fixture's world
+
 REFUSAL_SECONDS = 30  # "within seconds" on a loaded two-core machine; a hang would be the gloo timeout (60 s) or more
 
 

@@ -37,7 +37,8 @@ import pytest
 from ds_paci.integrations import megatron
 from harness import REPO_ROOT as ROOT, free_port
 
-pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
+pytestmark = [pytest.mark.process,  # every test here starts processes (tests/conftest.py)
+              pytest.mark.xdist_group("megatron")]  # one worker: the shared launches, the extraction into .cache/megatron
 
 SHIMS = Path(__file__).resolve().parent / "env_shims"
 CACHE = ROOT / ".cache" / "megatron"
