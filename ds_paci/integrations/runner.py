@@ -120,16 +120,16 @@ def router(original):
 
 
 def install():
-    """Rebind ``deepspeed.initialize`` to the router (idempotent); returns the original."""
+    """Rebind ``deepspeed.initialize`` to the router (idempotent); returns DeepSpeed's own ``initialize``."""
     import deepspeed
 
     from ds_paci.core.runtime import skip_cpu_jit_ops
     skip_cpu_jit_ops()
     current = deepspeed.initialize
-    if getattr(current, "ds_paci_router", False):
-        return inspect.unwrap(current)
-    deepspeed.initialize = router(current)
-    return current
+    original = inspect.unwrap(current)  # DeepSpeed's own, under ds_paci's stock-engine warning (import ds_paci)
+    if not getattr(current, "ds_paci_router", False):
+        deepspeed.initialize = router(original)  # the router says PACI on or off itself: no warning layer below it
+    return original
 
 
 def split_argv(argv):
