@@ -82,6 +82,8 @@ def test_start_up_line_and_the_drift_advice():
                         "a local step run on predicted weights); gradient clipping none; deepspeed X")
     assert len(lines) == 2 and "drift bound [2] > 1 on stage(s) [0]" in lines[1]
     assert "would choose windows [3, 2, 2, 2]" in lines[1]
+    tied = startup_lines(paci, 4, 2, [2] * 4, True, "none", "d", tied=True)  # "auto": stage 0's window everywhere
+    assert "would choose windows [3, 3, 3, 3]" in tied[1]
     # no advice where the look-ahead is off, where "auto" already keeps drift <= 1, or in sync mode
     assert len(startup_lines(paci, 4, 2, [2] * 4, None, "none", "d")) == 1
     assert "look-ahead off (\"paci.lookahead\": false)" in startup_lines(paci, 4, 2, [2] * 4, None, "none", "d")[0]

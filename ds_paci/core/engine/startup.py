@@ -68,10 +68,11 @@ def stage_windows(paci, micro_batches, stages, per_stage):
     return [paci.window(micro_batches, stages, s if per_stage else None) for s in range(stages)]
 
 
-def startup_lines(paci, stages, micro_batches, windows, lookahead, clipping, deepspeed_text):
+def startup_lines(paci, stages, micro_batches, windows, lookahead, clipping, deepspeed_text, tied=False):
     """The PACI-on line and, where it applies, the advice line (a list of one or two strings).
 
     ``lookahead``: ``None`` (off by the config or sync mode), True (on), or a reason string (asked for, not run).
+    ``tied``: tied layers span stages (``"auto"`` then takes one window, stage 0's, on every stage).
     """
     sync = paci.drain_every_batch
     bounds = [0 if sync and w == micro_batches else drift_bound(stages, s, w) for s, w in enumerate(windows)]
@@ -88,7 +89,7 @@ def startup_lines(paci, stages, micro_batches, windows, lookahead, clipping, dee
              f"{look}; gradient clipping {clipping}; {deepspeed_text}"]
     over = [s for s, b in enumerate(bounds) if b > 1]
     if over and lookahead is True and not sync:
-        auto = [auto_window(stages, micro_batches, s) for s in range(stages)]
+        auto = [auto_window(stages, micro_batches, None if tied else s) for s in range(stages)]
         lines.append(f"ds_paci: advice: drift bound {[bounds[s] for s in over]} > 1 on stage(s) {over}: forwards there "
                      f"cross up to that many local steps, while the look-ahead predicts one; \"accumulation_window\": "
                      f"\"auto\" would choose windows {auto} (drift bound <= 1 on every stage)")
@@ -98,7 +99,10 @@ def startup_lines(paci, stages, micro_batches, windows, lookahead, clipping, dee
 def announce(engine):
     """Rank 0's start-up lines for a built PACI engine (see the module docstring)."""
     from ..seam import compat
-    windows = stage_windows(engine.paci, engine.micro_batches, engine.num_stages, _per_stage(engine))
+    from ..tied.layout import tied_owner_stages
+    tied = bool(tied_owner_stages(engine.module))
+    per_stage = engine.paci.accumulation_window == "auto" and not engine.paci.drain_every_batch and not tied
+    windows = stage_windows(engine.paci, engine.micro_batches, engine.num_stages, per_stage)
     if engine._stock_step or not engine.paci.lookahead:
         look = None
     elif engine._lookahead is not None:
@@ -106,14 +110,8 @@ def announce(engine):
     else:
         look = "this optimizer is not predicted: plain PACI"
     for line in startup_lines(engine.paci, engine.num_stages, engine.micro_batches, windows, look, engine._clipping,
-                              compat.describe()):
+                              compat.describe(), tied):
         say(line)
-
-
-def _per_stage(engine):
-    from ..tied.layout import tied_owner_stages
-    return (engine.paci.accumulation_window == "auto" and not engine.paci.drain_every_batch
-            and not tied_owner_stages(engine.module))
 
 
 # -- a "paci" section reaching the stock engine ---------------------------------------------------------------------
