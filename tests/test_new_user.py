@@ -34,10 +34,10 @@ def _config(tmp_path, name, **extra):
     return str(path)
 
 
-def torchrun(args, expect_rc=0):
-    """``torchrun --nproc_per_node 2 ARGS``; returns its stdout + stderr (asserting the exit code)."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", LOCAL_SIZE="2")
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(_port())] + args
+def torchrun(args, expect_rc=0, nproc=2):
+    """``torchrun --nproc_per_node NPROC ARGS``; returns its stdout + stderr (asserting the exit code)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", LOCAL_SIZE=str(nproc))
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(_port())] + args
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = run.stdout + run.stderr
     assert (run.returncode == 0) == (expect_rc == 0), out[-4000:]
@@ -117,6 +117,17 @@ def test_ds_paci_initialize_says_on_or_off_once_on_rank_0(tmp_path):
                                                                   "ds_paci: train_batch 2 stage 1/2"], out[-3000:]
     assert all("drift histogram {" in x and "look-ahead on, " in x for x in stage_lines), stage_lines
     assert "deepspeed.initialize builds" not in out  # ds_paci decided: no stock-engine warning
+
+
+@pytest.mark.process
+def test_the_engine_gives_the_drift_advice_at_start_up(tmp_path):
+    # the issue's configuration: P = 4, M = 2, window 2: stage 0 drifts up to 2 versions, the look-ahead predicts one
+    config = _config(tmp_path, "p4", paci={"accumulation_window": 2})
+    out = torchrun([USER_SCRIPT, "--stages", "4", "--steps", "1", config], nproc=4)
+    [on] = lines_with(out, "ds_paci: PACI on (async), 4 stages, M = 2")
+    assert "accumulation window per stage [2, 2, 2, 2], drift bound per stage [2, 1, 1, 0], look-ahead on" in on
+    [advice] = lines_with(out, "ds_paci: advice: ")
+    assert "stage(s) [0]" in advice and "would choose windows [3, 2, 2, 2]" in advice, advice
 
 
 @pytest.mark.process
