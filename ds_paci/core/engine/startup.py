@@ -18,6 +18,9 @@ Contract
 * **The open window at the end.** :func:`watch_open_window` warns once when an engine is garbage-collected or the
   interpreter exits with micro-batches whose gradients were never applied (``engine.drain()`` was not called), with
   their number on that rank's stage and the call to make.
+* **Exit.** At interpreter exit every live engine's side channel and watchdog are closed and the channel's own gloo
+  group (with receives posted that no peer will match any more) is destroyed while the interpreter is whole; the
+  runner, after the script returns, drains and destroys every process group (:func:`finish_engines`).
 """
 
 import atexit
@@ -192,7 +195,8 @@ def watch_open_window(engine):
 def finish_engines(drain, release):
     """The end of a script: ``drain`` every live PACI engine that has trained (every rank runs the same script, so
     every stage drains together; one line on rank 0); close their side channels and watchdogs (no pending transfer
-    or thread is left to the interpreter's exit); with ``release`` destroy the default process group."""
+    or thread is left to the interpreter's exit); with ``release`` destroy every process group (the runner, after
+    the script), otherwise (at interpreter exit) only each engine's side-channel group, which nothing else uses."""
     import torch.distributed as dist
     engines = sorted(_ENGINES, key=id)
     alive = dist.is_available() and dist.is_initialized()
@@ -206,5 +210,11 @@ def finish_engines(drain, release):
         for part in ("_watchdog", "_channel"):
             if getattr(engine, part, None) is not None:
                 getattr(engine, part).close()
+        group = getattr(getattr(engine, "_channel", None), "group", None)
+        if group is not None and alive and not release:
+            # The channel keeps receives posted that no peer will match any more: free its own gloo group while
+            # the interpreter is whole, not in C++ teardown after it (nothing else uses that group).
+            dist.destroy_process_group(group)
+            engine._channel.group = None
     if release and alive:
         dist.destroy_process_group()
