@@ -74,7 +74,8 @@ Contract (see also ``docs``/README):
   never predicts.
 * Telemetry: :meth:`paci_stats` (version, local steps, drift histogram, ``tied``, look-ahead),
   :meth:`paci_trace` / :meth:`write_trace` (per-instruction times when
-  ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
+  ``paci.trace`` is on), and a line per stage every ``steps_per_print`` calls (stdout, data-parallel rank 0 of
+  each stage, from the stage's own counters: drift histogram and bound, look-ahead; :meth:`StageTelemetry.describe`).
 """
 
 import time
