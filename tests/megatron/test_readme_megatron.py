@@ -111,6 +111,5 @@ def test_the_readmes_megatron_commands_run_pretrain_gpt_on_paci():
     tag = CHECKPOINTS / f"global_step{ITERS}"
     assert (tag / "mp_rank_00_model_states.pt").is_file(), f"no checkpoint {tag}"
     assert (tag / "ds_paci_manifest.json").is_file(), f"{tag} was not saved by the PACI engine (no manifest)"
-    # TODO(newuser, issue 29): once the start-up line lands, also assert it here, e.g.
-    # assert re.search(r"ds_paci: PACI on \(async\), 2 stages", output)
+    assert re.search(r"ds_paci: PACI on \(async\), 2 stages", output), output[-3000:]
     print(f"README Megatron commands: {ITERS} iterations on PACI, rc 0, checkpoint {tag}", file=sys.stderr)
