@@ -26,9 +26,9 @@ def test_tied_owner_predicts_every_untied_parameter_exactly_and_leaves_tied_weig
             assert max(row["relative"]) <= 1e-6, (name, stage, row["relative"], row["max_abs"])
             assert max(row["max_abs"]) <= 1e-6, (name, stage, row["max_abs"])
             # the tied weight: reported unpredicted, left where it is, while the real step moves it (after the lag)
+            assert max(row["tied_predicted_move"]) == 0.0, (name, row["tied_predicted_move"])
             assert row["stats"]["tied_unpredicted"] == ["w"], (name, row["stats"])
             assert row["stats"]["unpredicted_elements"] == row["tied_elements"] > 0, name
-            assert max(row["tied_predicted_move"]) == 0.0, (name, row["tied_predicted_move"])
             assert max(row["tied_real_move"]) > 1e-4, (name, row["tied_real_move"])
             assert row["tied"]["lag_windows"] >= 1
             if case.get("clip"):  # clipping was active: the stage's norm far above the threshold

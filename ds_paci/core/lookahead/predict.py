@@ -71,10 +71,10 @@ that temporaries stay bounded.
 
 Telemetry (:meth:`stats`)
 -------------------------
-``predicted_forwards``, ``clipped_forwards`` (predicted with ``coef < 1``),
-``nonfinite_forwards``, ``seconds`` (predicting and restoring), ``prediction_error``
-(mean over windows of the relative error, below), ``error_windows``. The relative error of a
-window compares the weights predicted for each of its ``J`` crossing forwards with the real
+``predicted_forwards``, ``clipped_forwards`` (predicted with ``coef < 1``), ``nonfinite_forwards``, ``seconds``
+(predicting and restoring), ``tied_unpredicted`` (this owner's tied keys) and ``unpredicted_elements`` (their
+elements here), ``prediction_error`` (over windows, below; it counts the unpredicted tied elements), ``error_windows``.
+The relative error of a window compares the weights predicted for each of its ``J`` crossing forwards with the real
 next weights: ``sqrt(mean_j ||theta_pred_j - theta_next||^2) / ||theta_next - theta||``: 0 is
 a perfect prediction, 1 what running the forward on the old weights amounts to. Measured on
 one window in ``ERROR_EVERY`` (8), on every ``ERROR_STRIDE``-th element of the master weights.
