@@ -177,7 +177,7 @@ def tied_unpredicted(ctx, slots):
         logger.warning(f"ds_paci: look-ahead: tied weights are not predicted ({owners}): their step applies the "
                        "owners' total of an earlier window (the tied lag), which a crossing forward cannot know yet, "
                        "so crossing forwards read them at their current version; every other parameter is "
-                       "predicted (see README, \"The look-ahead\")")
+                       "predicted (see docs/lookahead.md, \"Not predicted\")")
     if tied is None or not tied.exchanges:
         return []
     ranges = {}
