@@ -344,12 +344,39 @@ def validate_run(ds_config, model, paci):
         raise PACIConfigError(f'"paci.enabled" needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}; '
                               'build the model as PipelineModule(layers=..., num_stages=...) or remove the "paci" section')
     check_config(ds_config, paci)
+    problem = model_parallel_problem(ds_config, model)
+    if problem:
+        raise PACIConfigError(problem)
     if not paci.drain_every_batch:
         from .tied.layout import tied_arrangement_problem
         tied = tied_arrangement_problem(ds_config, model)
         if tied:
             raise PACIConfigError(tied)
     return copy.deepcopy(ds_config)
+
+
+def model_parallel_problem(ds_config, model):
+    """One line if the run asks for model (tensor) parallelism of size > 1, else ``None`` (the same on every rank).
+
+    PACI's stage norms, clip coefficients, non-finite verdicts and the look-ahead's clip source are per rank, with
+    no reduction over a model-parallel slice: the slices of a stage would clip and skip apart. So a topology with a
+    ``model`` axis of size > 1 (``PipeModelDataParallelTopology(num_pp, num_mp > 1, num_dp)``) and DeepSpeed's
+    AutoTP (``"tensor_parallel": {"autotp_size" > 1}``) are refused at ``initialize``.
+    """
+    topo = model.topology() if hasattr(model, "topology") else None
+    mp = topo.get_dim("model") if topo is not None else 0
+    if mp > 1:
+        return (f"ds_paci: model (tensor) parallelism is not supported: the PipelineModule's topology has a \"model\" "
+                f"axis of size {mp} ({type(topo).__name__}); PACI clips and skips each rank by its own norm, so the "
+                "slices of a stage would drift apart: use a topology without a model axis (PipeDataParallelTopology, "
+                "or PipelineModule(num_stages=...)), or remove the \"paci\" section to train with stock DeepSpeed")
+    autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if isinstance(autotp, int) and autotp > 1:
+        return (f"ds_paci: model (tensor) parallelism is not supported: \"tensor_parallel.autotp_size\" = {autotp}; "
+                "PACI clips and skips each rank by its own norm, so the slices of a stage would drift apart: remove "
+                "\"tensor_parallel\" (or set autotp_size to 1), or remove the \"paci\" section to train with stock "
+                "DeepSpeed")
+    return None
 
 
 def engine_config(args, kwargs):
