@@ -39,7 +39,7 @@ OLDEST_TESTS ?= 'tests/test_engine.py::test_micro_batches_crossing_a_local_step_
 	tests/test_contract.py::test_sync_mode_is_the_stock_engine_with_deepspeeds_default_clipping \
 	tests/test_config.py tests/test_compat.py tests/test_deepspeed_seam.py
 
-.PHONY: setup train train-flush test test-fast test-oldest bench peers simulate clean
+.PHONY: setup train train-flush test test-fast test-oldest megatron bench peers simulate clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,12 @@ train-flush: train
 $(MEGATRON_STAMP): $(STAMP) setup.py
 	$(PY) -m pip install --quiet -e '.[test,megatron-test]'
 	touch $(MEGATRON_STAMP)
+
+# Megatron-DeepSpeed's unmodified pretrain_gpt.py on PACI on this machine's CPU (README, "Megatron-DeepSpeed"): the
+# megatron-test extra, then the README's commands (launch/megatron_cpu/run.sh: extract the snapshot, build the
+# dataset, launch 2 stages). MEGATRON_ITERS=N shortens the run (default 20); MASTER_PORT=P if 29500 is taken.
+megatron: $(MEGATRON_STAMP)
+	bash launch/megatron_cpu/run.sh
 
 test: $(STAMP) $(MEGATRON_STAMP)
 	# the oldest DeepSpeed runs even when the main suite fails; either failing fails `make test`

@@ -29,8 +29,8 @@ shared machine). ``--add`` keeps the stored results and replaces only what it ru
 (``wait4``), i.e. of the busiest rank. Loss: Megatron's final validation loss (``--eval-iters 8``).
 ``--clipping C`` sets ``"gradient_clipping": C`` for both engines (default 0: no clipping): the stock engine clips
 by the norm over the whole pipeline, async PACI each stage's own gradient by its norm and the tied embedding's
-total by its own norm (README, "Tied weights across stages"); LLM recipes, Megatron's among them, clip at 1.0. This CPU machine needs the test environment's shims
-(``tests/megatron/env_shims``: no torchvision/flash-attn, DeepSpeed >= 0.19.5); they change no number.
+total by its own norm (README, "Tied weights across stages"); LLM recipes, Megatron's among them, clip at 1.0. This CPU machine needs the CPU-only environment shim
+(``launch/megatron_cpu``: no torchvision/flash-attn, DeepSpeed >= 0.19.5); they change no number.
 """
 
 import argparse
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from ds_paci.integrations import megatron  # noqa: E402
 
-SHIMS = ROOT / "tests" / "megatron" / "env_shims"
+SHIMS = ROOT / "launch" / "megatron_cpu"
 CACHE = ROOT / ".cache" / "megatron"
 EMULATED_LAYER = "megatron.model.transformer:ParallelTransformerLayerPipe"
 

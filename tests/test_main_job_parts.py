@@ -106,7 +106,10 @@ def test_progress_line():
 
 def test_drift_text_takes_the_largest_over_every_rank():
     stats = [{"max_drift": 0, "drift_bound": 1}, {"max_drift": 2, "drift_bound": 3}, {}]
-    assert drift_text(stats, 8) == " | drift 2 (bound 3, all stages as of step 8)"
+    assert drift_text(stats, 8) == " | drift 2 (bound 3, all stages at step 8)"
+    assert drift_text(stats, 8, 8) == " | drift 2 (bound 3, all stages at step 8)"
+    # older than the line: labelled with where the figures come from (issue 29 item 3)
+    assert drift_text(stats, 8, 12) == " | drift 2 (bound 3, all stages at the validation of step 8)"
 
 
 def _stats(lookahead=True, tied=False, skipped=0):

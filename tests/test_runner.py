@@ -78,9 +78,11 @@ def test_router_is_recursion_safe_and_idempotent():
     import deepspeed
 
     from ds_paci.integrations import runner
-    original = deepspeed.initialize
+    current = deepspeed.initialize
+    original = inspect.unwrap(current)  # DeepSpeed's own (import ds_paci wraps it with the stock-engine warning)
     try:
         assert runner.install() is original and runner.install() is original
         assert deepspeed.initialize is not original and inspect.unwrap(deepspeed.initialize) is original
+        assert not getattr(deepspeed.initialize.__wrapped__, "ds_paci_watch", False)  # the router replaces the warning
     finally:
-        deepspeed.initialize = original
+        deepspeed.initialize = current

@@ -13,11 +13,14 @@ Example (JSON)::
         "check_tied_copies": false
     }
 
-Keys (every one optional except ``enabled``):
+Keys (every one optional):
 
-``enabled`` (bool)
-    Use the PACI engine. Without the section, or with ``false``, ``ds_paci.initialize``
-    returns DeepSpeed's stock ``PipelineEngine``.
+``enabled`` (bool, default true)
+    Use the PACI engine. A ``"paci"`` section turns PACI on unless it says ``"enabled": false``;
+    without the section, or with ``false``, ``ds_paci.initialize`` returns DeepSpeed's stock
+    ``PipelineEngine`` (and says so in one line). A top-level key that differs from ``"paci"``
+    only in case (``"PACI"``), or another paci-like key DeepSpeed would silently ignore
+    (``"paci_config"``, ``"ds_paci"``), is refused (:func:`check_section_key`).
 ``accumulation_window`` (int >= 1 or ``"auto"``, default ``gradient_accumulation_steps``)
     ``a``: each stage takes its own optimizer step after every ``a`` of its backward
     passes. Drift is bounded by ``ceil((P-1-s)/a)``; ``a >= P-1`` keeps it at one
@@ -164,7 +167,9 @@ def _is_int(v):
 
 
 def parse_paci_section(section):
-    """Validate the ``"paci"`` section (a dict, or ``None`` when absent) into a :class:`PACIConfig`."""
+    """Validate the ``"paci"`` section (a dict, or ``None`` when absent) into a :class:`PACIConfig`.
+
+    A section turns PACI on unless it says ``"enabled": false``; no section: off."""
     if section is None:
         return PACIConfig()
     if not isinstance(section, dict):
@@ -177,7 +182,7 @@ def parse_paci_section(section):
     def bad(key, value):
         return PACIConfigError(f'"paci.{key}" = {value!r} is not allowed; use {_KEYS[key]}')
 
-    kw = {}
+    kw = {"enabled": True}
     for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies", "lookahead"):
         if key in section:
             if not _is_bool(section[key]):
@@ -210,6 +215,15 @@ def parse_paci_section(section):
             raise bad("lookahead_restore", r)
         kw["lookahead_restore"] = r
     return PACIConfig(**kw)
+
+
+def check_section_key(ds_config):
+    """Refuse a top-level key that looks meant for ``"paci"`` but is not it (DeepSpeed would ignore it, and the run
+    would silently be stock): any key other than ``"paci"`` whose lower case contains ``paci``. Pure (config only)."""
+    for key in ds_config:
+        if isinstance(key, str) and key != PACI_SECTION and PACI_SECTION in key.lower():
+            raise PACIConfigError(f'the DeepSpeed config has a top-level key {key!r}, which neither DeepSpeed nor ds_paci '
+                                  f'reads; rename it to "paci" (lower case) to configure PACI, or remove it')
 
 
 def load_config(config=None, args=None):
@@ -293,13 +307,15 @@ def check_accumulation_window(window, gradient_accumulation_steps):
 def check_config(ds_config, paci=None):
     """Every check of a DeepSpeed config that needs no model and no process group; returns the ``PACIConfig``.
 
-    The ``"paci"`` section (``paci``, when already parsed, is not parsed again), the batch keys, ZeRO's stage, and
+    The section's top-level key (:func:`check_section_key`), the ``"paci"`` section (``paci``, when already parsed,
+    is not parsed again), the batch keys, ZeRO's stage, and
     with PACI enabled fp16, the accumulation window against ``gradient_accumulation_steps`` and what the installed
     DeepSpeed cannot run under PACI (``compat.refusal``). One place for these checks: :func:`validate_run` (so
     ``ds_paci.initialize`` and the engine) and the main job before any process starts (``mainjob.inputs``) call it.
     Raises :class:`PACIConfigError` with one line naming the key and the fix.
     """
     from .seam import compat
+    check_section_key(ds_config)
     paci = parse_paci_section(ds_config.get("paci")) if paci is None else paci
     check_batch_keys(ds_config)
     check_zero_stage(ds_config)
@@ -328,12 +344,39 @@ def validate_run(ds_config, model, paci):
         raise PACIConfigError(f'"paci.enabled" needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}; '
                               'build the model as PipelineModule(layers=..., num_stages=...) or remove the "paci" section')
     check_config(ds_config, paci)
+    problem = model_parallel_problem(ds_config, model)
+    if problem:
+        raise PACIConfigError(problem)
     if not paci.drain_every_batch:
         from .tied.layout import tied_arrangement_problem
         tied = tied_arrangement_problem(ds_config, model)
         if tied:
             raise PACIConfigError(tied)
     return copy.deepcopy(ds_config)
+
+
+def model_parallel_problem(ds_config, model):
+    """One line if the run asks for model (tensor) parallelism of size > 1, else ``None`` (the same on every rank).
+
+    PACI's stage norms, clip coefficients, non-finite verdicts and the look-ahead's clip source are per rank, with
+    no reduction over a model-parallel slice: the slices of a stage would clip and skip apart. So a topology with a
+    ``model`` axis of size > 1 (``PipeModelDataParallelTopology(num_pp, num_mp > 1, num_dp)``) and DeepSpeed's
+    AutoTP (``"tensor_parallel": {"autotp_size" > 1}``) are refused at ``initialize``.
+    """
+    topo = model.topology() if hasattr(model, "topology") else None
+    mp = topo.get_dim("model") if topo is not None else 0
+    if mp > 1:
+        return (f"ds_paci: model (tensor) parallelism is not supported: the PipelineModule's topology has a \"model\" "
+                f"axis of size {mp} ({type(topo).__name__}); PACI clips and skips each rank by its own norm, so the "
+                "slices of a stage would drift apart: use a topology without a model axis (PipeDataParallelTopology, "
+                "or PipelineModule(num_stages=...)), or remove the \"paci\" section to train with stock DeepSpeed")
+    autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if isinstance(autotp, int) and autotp > 1:
+        return (f"ds_paci: model (tensor) parallelism is not supported: \"tensor_parallel.autotp_size\" = {autotp}; "
+                "PACI clips and skips each rank by its own norm, so the slices of a stage would drift apart: remove "
+                "\"tensor_parallel\" (or set autotp_size to 1), or remove the \"paci\" section to train with stock "
+                "DeepSpeed")
+    return None
 
 
 def engine_config(args, kwargs):

@@ -7,8 +7,9 @@ config Megatron already takes and starts ``pretrain_gpt.py`` through the script 
     deepspeed --num_gpus 2 --module ds_paci.run <Megatron-DeepSpeed>/pretrain_gpt.py <Megatron arguments> \\
         --deepspeed --deepspeed_config ds_paci.json
 
-This module holds what the integration test (``tests/megatron``) and the side-by-side measurement
-(``scripts/megatron_bench.py``) share, so both run the real program the same way:
+This module holds what the README's Megatron commands (``python -m ds_paci.integrations.megatron prepare``,
+``make megatron``), the integration test (``tests/megatron``) and the side-by-side measurement
+(``scripts/megatron_bench.py``) share, so all run the real program the same way:
 
 * :func:`find_snapshot` / :func:`extract`: the Megatron-DeepSpeed snapshot (not on any package registry) at
   ``../shared/thirdparty/megatron-deepspeed/`` from the repository root, extracted unmodified.
@@ -16,7 +17,13 @@ This module holds what the integration test (``tests/megatron``) and the side-by
   byte-level BPE as the main job's ``bpe-<N>``) written as JSONL, then turned into Megatron's indexed dataset by
   Megatron's own ``tools/preprocess_data.py`` (``--append-eod``). The result is checked: the ``.idx`` document
   sizes must add up to the tokens in the ``.bin`` (the snapshot's tool gets this wrong with ``--append-eod``,
-  upstream NVIDIA/Megatron-LM#431; the caller's environment must fix it, see ``tests/megatron/env_shims``).
+  upstream NVIDIA/Megatron-LM#431; the caller's environment must fix it: :data:`CPU_SHIMS` does).
+* :func:`prepare`: all of the above for a user: build tools checked, snapshot extracted, the stable link
+  ``<out>/Megatron-DeepSpeed`` to it, the dataset in ``<out>/data`` (``python -m ds_paci.integrations.megatron
+  prepare``).
+* :data:`CPU_SHIMS`: ``launch/megatron_cpu``, the CPU-only environment shim (a ``sitecustomize.py`` to put on
+  ``PYTHONPATH``; its README says what each hook stands in for and why). Not part of ds_paci and not needed on a
+  GPU node with Megatron's usual packages.
 * :func:`gpt_args`: the ``pretrain_gpt.py`` arguments of a small GPT (the issue's configuration).
 * :func:`launch_command` / :func:`run`: one ``deepspeed`` launch through ``ds_paci.run``.
 * :func:`parse_log`: Megatron's iteration and validation lines as numbers.
@@ -41,6 +48,11 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SNAPSHOT_DIR = "thirdparty/megatron-deepspeed"
 SNAPSHOT_GLOB = "Megatron-DeepSpeed-*.tar.gz"
+CPU_SHIMS = REPO_ROOT / "launch" / "megatron_cpu"  # the CPU-only environment shim (sitecustomize.py)
+DEFAULT_OUT = REPO_ROOT / ".cache" / "megatron"
+TREE_LINK = "Megatron-DeepSpeed"  # <out>/Megatron-DeepSpeed -> the extracted tree of the current snapshot
+BUILD_TOOLS = ("g++", "make", "python3-config")  # Megatron compiles megatron/data/helpers.cpp at start-up
+MEGATRON_PACKAGES = ("einops", "nltk", "pybind11", "regex", "six")  # setup.py's megatron-test extra
 
 
 class MegatronSetupError(RuntimeError):
@@ -196,7 +208,7 @@ def prepare_data(megatron_dir, out_dir, vocab_size=1024, env=None, python=None, 
                 f"{prefix}.idx: {len(sizes)} documents whose sizes add up to {int(sizes.sum())} tokens, but the .bin "
                 f"holds {tokens} tokens of {len(docs)} documents: tools/preprocess_data.py --append-eod left the EOD "
                 f"tokens out of the sizes (upstream NVIDIA/Megatron-LM#431); run it with the fix of "
-                f"tests/megatron/env_shims on PYTHONPATH")
+                f"{CPU_SHIMS} on PYTHONPATH")
         data.documents[split], data.tokens[split] = len(docs), tokens
     done.write_text(json.dumps({"documents": data.documents, "tokens": data.tokens}) + "\n")
     return data
@@ -339,3 +351,87 @@ def parse_log(text):
         if m:
             log.loaded_iteration = int(m.group(1))
     return log
+
+
+# ---------------------------------------------------------------------------------------- for a user
+def check_environment(python3=None):
+    """Raise :class:`MegatronSetupError` naming what a CPU launch of ``pretrain_gpt.py`` lacks, else return None.
+
+    Megatron's start-up runs ``make`` in ``megatron/data`` (``g++``, ``python3-config`` and ``python3 -m
+    pybind11``, whichever ``python3`` is first on ``PATH``: the venv's ``bin`` must come first); its imports need
+    the ``megatron-test`` extra's packages in this interpreter.
+    """
+    missing = [tool for tool in BUILD_TOOLS if shutil.which(tool) is None]
+    if missing:
+        raise MegatronSetupError(f"Megatron compiles megatron/data/helpers.cpp at start-up and needs {missing} on "
+                                 "PATH: install g++, make and the python3 development files (python3-dev)")
+    absent = [name for name in MEGATRON_PACKAGES if _missing(name)]
+    if absent:
+        raise MegatronSetupError(f"Megatron's packages {absent} are not installed in {sys.executable}: run "
+                                 "`pip install -e '.[megatron-test]'` in the repository (`make megatron` does)")
+    python3 = python3 or shutil.which("python3")
+    probe = subprocess.run([python3 or "python3", "-c", "import pybind11"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise MegatronSetupError(
+            f"the python3 first on PATH ({python3}) has no pybind11, so Megatron's helpers.cpp build fails "
+            f"(pybind11/pybind11.h not found): put the venv's bin first on PATH "
+            f"(`source {Path(sys.executable).parent}/activate`)")
+
+
+def _missing(name):
+    import importlib.util
+    return importlib.util.find_spec(name) is None
+
+
+def link_tree(tree, out):
+    """Point ``<out>/Megatron-DeepSpeed`` at ``tree`` (a relative symbolic link, replaced atomically)."""
+    link = Path(out) / TREE_LINK
+    tmp = Path(out) / f".{TREE_LINK}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(tree, out), tmp)
+    os.replace(tmp, link)
+    return link
+
+
+def prepare(out=DEFAULT_OUT, vocab_size=1024, shared=None):
+    """What ``pretrain_gpt.py`` needs on this machine: returns (``<out>/Megatron-DeepSpeed``, :class:`MegatronData`).
+
+    Checks the environment (:func:`check_environment`), extracts the snapshot unmodified, links it under a stable
+    name and builds the Shakespeare dataset in ``<out>/data`` with Megatron's own tool (the CPU shim on its
+    ``PYTHONPATH`` for the ``--append-eod`` fix). Each part is reused when already done.
+    """
+    check_environment()
+    out = Path(out)
+    tree = extract(find_snapshot(shared), out)
+    link = link_tree(tree, out)
+    data = prepare_data(link, out / "data", vocab_size=vocab_size, env=run_env([CPU_SHIMS]))
+    return link, data
+
+
+def main(argv=None):
+    """``python -m ds_paci.integrations.megatron prepare [--out DIR] [--vocab-size N] [--shared DIR]``."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m ds_paci.integrations.megatron",
+                                     description="Megatron-DeepSpeed's pretrain_gpt.py on ds_paci (README, "
+                                                 "'Megatron-DeepSpeed')")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="check the environment, extract the snapshot, build the dataset")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="default: .cache/megatron in the repository")
+    p.add_argument("--vocab-size", type=int, default=1024, help="the local BPE's vocabulary (default 1024)")
+    p.add_argument("--shared", type=Path, default=None, help="the shared folder holding thirdparty/ "
+                                                             "(default: $DS_PACI_SHARED, else found next to the repository)")
+    args = parser.parse_args(argv)
+    try:
+        link, data = prepare(args.out, args.vocab_size, args.shared)
+    except MegatronSetupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"Megatron-DeepSpeed: {link} -> {link.resolve().name} (unmodified snapshot)")
+    for split, prefix in (("train", data.train_prefix), ("valid", data.valid_prefix)):
+        print(f"{split} data: {prefix} ({data.documents[split]} documents, {data.tokens[split]:,} tokens)")
+    print(f"tokenizer: {data.vocab_file}, {data.merge_file}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

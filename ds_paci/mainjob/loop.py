@@ -116,7 +116,7 @@ class TrainingLoop:
         """The progress line and ``train`` record of the steps since the last one."""
         engine, m = self.engine, self.metrics
         tps, eta, nonfinite = m.close_window(self.shape.steps - step)
-        drift = drift_text(self.stats, self.stats_step) if self.shape.is_paci else ""
+        drift = drift_text(self.stats, self.stats_step, step) if self.shape.is_paci else ""
         lr = engine.get_lr()[0]
         self.reporter.say(progress_line(step, self.shape.steps, m.last_loss, tps, lr, drift, nonfinite,
                                         engine.skipped_steps, eta))

@@ -106,11 +106,16 @@ class TrainingMetrics:
         return sum(self.recent_losses) / len(self.recent_losses) if self.recent_losses else float("nan")
 
 
-def drift_text(stats, stats_step):
-    """The progress line's drift part from every rank's PACI stats (gathered at ``stats_step``)."""
+def drift_text(stats, stats_step, step=None):
+    """The progress line's drift part from every rank's PACI stats, labelled with where they come from: gathered
+    over all stages at ``stats_step`` (a validation: the only point where the job runs that collective, never on the
+    training path). When that is older than ``step``, the label names that validation; each stage's current figures
+    are its own line (``ds_paci: train_batch N stage S/P ...``, every ``steps_per_print`` calls)."""
     seen = max(s.get("max_drift", 0) for s in stats)
     bound = max(s.get("drift_bound", 0) for s in stats)
-    return f" | drift {seen} (bound {bound}, all stages as of step {stats_step})"
+    if step is None or stats_step == step:
+        return f" | drift {seen} (bound {bound}, all stages at step {stats_step})"
+    return f" | drift {seen} (bound {bound}, all stages at the validation of step {stats_step})"
 
 
 def progress_line(step, steps, loss, tps, lr, drift, nonfinite, skipped, eta):

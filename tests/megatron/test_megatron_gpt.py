@@ -20,8 +20,9 @@ Launches (each one process group; the tests share them):
 
 Dropout is off so that an interrupted-and-resumed run can be compared digit for digit with an uninterrupted one
 (Megatron's CPU RNG restore does not reproduce dropout masks after ``--load``, with the stock engine too).
-``tests/megatron/env_shims`` holds what only this CPU test environment needs (no torchvision, no flash-attn,
-DeepSpeed >= 0.19.5, the ``--append-eod`` index bug); it is not part of ds_paci.
+``launch/megatron_cpu`` (``megatron.CPU_SHIMS``) holds the CPU-only environment shim this machine needs (no
+torchvision, no flash-attn, DeepSpeed >= 0.19.5, the ``--append-eod`` index bug); it is not part of ds_paci. The
+README's own commands run as written in ``test_readme_megatron.py``.
 """
 
 import json
@@ -40,7 +41,7 @@ from harness import REPO_ROOT as ROOT, free_port
 pytestmark = [pytest.mark.process,  # every test here starts processes (tests/conftest.py)
               pytest.mark.xdist_group("megatron")]  # one worker: the shared launches, the extraction into .cache/megatron
 
-SHIMS = Path(__file__).resolve().parent / "env_shims"
+SHIMS = megatron.CPU_SHIMS
 CACHE = ROOT / ".cache" / "megatron"
 ITERS, STOP = 20, 10
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
@@ -55,15 +56,10 @@ def prepared(tmp_path_factory):
         tarball = megatron.find_snapshot()
     except megatron.MegatronSetupError as e:
         pytest.fail(str(e), pytrace=False)
-    missing = [tool for tool in ("g++", "make", "python3-config") if shutil.which(tool) is None]
-    if missing:
-        pytest.fail(f"Megatron compiles megatron/data/helpers.cpp at start-up and needs {missing} on PATH "
-                    "(install g++, make and the python3 development files)", pytrace=False)
-    try:
-        import einops, nltk, pybind11, regex, six  # noqa: F401,E401
-    except ImportError as e:
-        pytest.fail(f"{e}: Megatron's extra packages are missing; run `pip install -e '.[megatron-test]'` "
-                    "(`make test` does)", pytrace=False)
+    try:  # the venv's python3 is the one first on the launches' PATH (run_env)
+        megatron.check_environment(python3=os.path.join(os.path.dirname(sys.executable), "python3"))
+    except megatron.MegatronSetupError as e:
+        pytest.fail(str(e), pytrace=False)
     tree = megatron.extract(tarball, CACHE)
     env = megatron.run_env([SHIMS])
     env["DS_ACCELERATOR"] = "cpu"  # this test environment has no GPU (and Megatron's CUDA path needs flash-attn)

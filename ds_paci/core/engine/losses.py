@@ -11,7 +11,6 @@ from collections import OrderedDict
 import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER
-from deepspeed.utils import logger
 
 from ..seam import deepspeed_internals as ds
 from ..step.guard import PACINonFiniteError, stop_message
@@ -138,8 +137,9 @@ class CallLosses:
         every = self.steps_per_print()
         if not every or self._calls % every:
             return
-        if self.grid.data_parallel_id == 0:
-            logger.info(f"ds_paci: {self.telemetry.describe()}")
+        if self.grid.data_parallel_id == 0:  # every stage's own line, from its own counters (shown: stdout)
+            look = self._lookahead.stats() if self._lookahead is not None else None
+            print(self.telemetry.describe(look, self._calls), flush=True)
         if self.is_last_stage() and self.grid.data_parallel_id == 0:
             elapsed = self.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0
             print(f"ds_paci: train_batch {self._calls} loss {loss.item():.4f} version {self.telemetry.version} "

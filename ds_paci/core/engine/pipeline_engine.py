@@ -49,7 +49,7 @@ Contract (see also ``docs``/README):
   overflow handling, tied-gradient all-reduce and scheduler; its local steps wait for
   the end of the call, as DeepSpeed's ``OptimizerStep`` does. Async mode: clipping by
   each stage's own norm when ``gradient_clipping`` is set, none when the key is absent
-  (said in the start-up log line); a local step whose gradient is not finite is skipped
+  (said in the start-up line, :mod:`ds_paci.core.engine.startup`); a local step whose gradient is not finite is skipped
   (the scheduler still follows its rule), ``was_step_applied()`` says so, and
   ``paci.max_consecutive_skips`` skips in a row stop every rank (:mod:`ds_paci.core.step.guard`).
 * On a DeepSpeed newer than the newest tested (or with ``DS_PACI_CHECK_COLLECTIVES=1``), the first
@@ -74,14 +74,14 @@ Contract (see also ``docs``/README):
   never predicts.
 * Telemetry: :meth:`paci_stats` (version, local steps, drift histogram, ``tied``, look-ahead),
   :meth:`paci_trace` / :meth:`write_trace` (per-instruction times when
-  ``paci.trace`` is on), and a log line per stage every ``steps_per_print`` calls.
+  ``paci.trace`` is on), and a line per stage every ``steps_per_print`` calls (stdout, data-parallel rank 0 of
+  each stage, from the stage's own counters: drift histogram and bound, look-ahead; :meth:`StageTelemetry.describe`).
 """
 
 import time
 
 import torch
 from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER, PipelineEngine
-from deepspeed.utils import logger
 
 from ..seam import compat
 from ..seam import deepspeed_internals as ds
@@ -99,6 +99,7 @@ from ..program.passes import lower_call
 from ..program.actions import Kind, format_action
 from ..program.stream import PACIStream, drift_bound
 from .stage_context import StageContext
+from .startup import announce, watch_open_window
 from .telemetry import StageTelemetry
 from ..tied.weights import TiedWeights
 from ..tied.layout import tied_owner_stages
@@ -180,13 +181,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         self._loss_monitor = None
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(ds.monitor_config(self))
-        if self.global_rank == self.grid.stage_to_global(self.num_stages - 1):
-            # A warning where PACI departs from DeepSpeed's default (no "gradient_clipping" key, async mode).
-            log = logger.warning if "DeepSpeed's default" in self._clipping else logger.info
-            log(f"ds_paci: PACI streams on {self.num_stages} stages, accumulation window "
-                f"{self._stream.window}, drain_every_batch={self.paci.drain_every_batch}, "
-                f"lookahead={self._lookahead is not None}, gradient clipping: {self._clipping}; "
-                f"{compat.describe()}")
+        announce(self)  # rank 0: PACI on, per-stage windows and drift bounds, look-ahead, clipping; advice
+        self._open_window = watch_open_window(self)  # warns if collected or at exit with gradients never applied
 
     def _configured_window(self):
         """This stage's ``a`` for the current M: ``"auto"`` may differ per stage, except in sync mode (every stage

@@ -74,10 +74,17 @@ class StageTelemetry:
             "nonfinite_losses": self.nonfinite_losses,
         }
 
-    def describe(self):
+    def describe(self, lookahead=None, calls=None):
+        """The stage's progress line from its own counters (no other stage is asked): version, micro-batches, drift
+        histogram and bound, and the look-ahead (``lookahead``: its stats, or ``None`` when off)."""
         hist = ", ".join(f"{d}:{n}" for d, n in sorted(self.drift.items())) or "none"
-        return (f"stage {self.stage}/{self.stages} rank {self.rank}: version {self.version}, "
-                f"{self.micro_batches} micro-batches, drift histogram {{{hist}}} (bound {self.bound})")
+        look = "off"
+        if lookahead is not None:
+            look = f"on, {lookahead.get('predicted_forwards', 0)} forwards on predicted weights"
+        at = f"train_batch {calls} " if calls is not None else ""
+        return (f"ds_paci: {at}stage {self.stage}/{self.stages} rank {self.rank}: version {self.version}, "
+                f"{self.micro_batches} micro-batches, drift histogram {{{hist}}} (bound {self.bound}), "
+                f"look-ahead {look}")
 
     def write_trace(self, directory):
         os.makedirs(directory, exist_ok=True)

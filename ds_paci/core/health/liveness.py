@@ -22,9 +22,10 @@ process group's timeout, 30 minutes by default). Public contract:
   job whose transfer raised calls it so that the verdict's line, not a traceback, ends the rank (the main job and
   ``ds_paci.run`` do).
 
-Bound (stated in the README and checked by ``tests/test_multinode.py`` with a wide margin): once every process of
-a node is killed, every other rank has printed or received the verdict within about a second plus the time to
-exit; a node that vanishes silently is declared after ``timeout`` (15 s) plus at most a second.
+Bound (stated in ``docs/multinode.md``, "Node failures", and checked by ``tests/test_multinode.py`` with a wide
+margin): once every process of a node is killed, every other rank has printed or received the verdict within about
+a second plus the time to exit; a node that vanishes silently is declared after ``timeout`` (15 s) plus at most a
+second.
 """
 
 import atexit

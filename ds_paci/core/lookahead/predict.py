@@ -43,7 +43,8 @@ the optimizer will step it: in the engine DeepSpeed's reduce gives it a zero gra
 (``zero_filled``), stepped directly ``torch.optim`` skips it (not predicted). With ``n = 0``,
 a parameter the last step did not step is not predicted (outside the engine). When the
 window's gradient is not finite anywhere the local step will be skipped, so nothing is
-predicted (``nonfinite_forwards``). Only one version ahead is predicted.
+predicted (``nonfinite_forwards``). Only one version ahead is predicted. A tied owner's tied weights are not
+predicted (:mod:`~ds_paci.core.lookahead.slots`; one line at start-up), every other parameter of it is.
 
 Where the tensors live and how they get back (no new communication anywhere)
 ----------------------------------------------------------------------------
@@ -70,10 +71,10 @@ that temporaries stay bounded.
 
 Telemetry (:meth:`stats`)
 -------------------------
-``predicted_forwards``, ``clipped_forwards`` (predicted with ``coef < 1``),
-``nonfinite_forwards``, ``seconds`` (predicting and restoring), ``prediction_error``
-(mean over windows of the relative error, below), ``error_windows``. The relative error of a
-window compares the weights predicted for each of its ``J`` crossing forwards with the real
+``predicted_forwards``, ``clipped_forwards`` (predicted with ``coef < 1``), ``nonfinite_forwards``, ``seconds``
+(predicting and restoring), ``tied_unpredicted`` (this owner's tied keys) and ``unpredicted_elements`` (their
+elements here), ``prediction_error`` (over windows, below; it counts the unpredicted tied elements), ``error_windows``.
+The relative error of a window compares the weights predicted for each of its ``J`` crossing forwards with the real
 next weights: ``sqrt(mean_j ||theta_pred_j - theta_next||^2) / ||theta_next - theta||``: 0 is
 a perfect prediction, 1 what running the forward on the old weights amounts to. Measured on
 one window in ``ERROR_EVERY`` (8), on every ``ERROR_STRIDE``-th element of the master weights.
@@ -88,7 +89,7 @@ import torch
 from deepspeed.utils import logger
 
 from .rules import AdamRule, adam_moments, adam_update, rule_reader  # noqa: F401 (public names)
-from .slots import ClipSource, Slot, _norm_of, engine_slots, torch_slots
+from .slots import ClipSource, Slot, _norm_of, engine_slots, fixed_in, keep_fixed, tied_unpredicted, torch_slots
 
 __all__ = ["AdamRule", "LookAhead", "PACILookAheadError", "make_lookahead", "lookahead_for_torch_optimizer",
            "adam_update", "adam_moments", "RESTORE_MODES"]
@@ -163,13 +164,14 @@ def _write(thetas, decay, alpha, us):
 class LookAhead:
     """Predict-forward-restore for one stage (see the module docstring for the contract)."""
 
-    def __init__(self, slots, restore, kind, clip=None):
+    def __init__(self, slots, restore, kind, clip=None, tied_keys=()):
         if restore not in RESTORE_MODES:
             raise ValueError(f"restore must be one of {RESTORE_MODES}, got {restore!r}")
         self.slots = slots
         self.restore = restore
         self.kind = kind
         self.clip = clip
+        self.tied_keys = list(tied_keys)  # this owner's tied keys: their weights are not predicted (see slots)
         self.predicted_forwards = 0
         self.clipped_forwards = 0
         self.nonfinite_forwards = 0
@@ -232,6 +234,7 @@ class LookAhead:
             if batch.targets is not None:  # low-precision weights the forward reads; the masters stay real
                 pred = torch._foreach_mul(batch.thetas, decay)
                 torch._foreach_add_(pred, us, alpha=-alpha)
+                keep_fixed(batch.slots, batch.offsets, batch.thetas, pred)
                 undo.append(("master", batch.thetas, batch.targets))
                 torch._foreach_copy_(batch.targets, pred)
                 continue
@@ -291,6 +294,8 @@ class LookAhead:
         """
         groups, rules, cache, grads = {}, {}, {}, []
         for slot in self.slots:
+            if slot.unpredicted:
+                continue  # a tied weight: left at its current value (see slots)
             rk = (id(slot.optimizer), slot.group_index)
             if rk not in rules:
                 rules[rk] = slot.rule()
@@ -308,7 +313,7 @@ class LookAhead:
                 continue  # nothing to predict from
             key, states = got
             if grad is not None:
-                grads.append(grad)
+                grads.extend(slot.free_pieces(grad))  # the tied gradients are the exchange's, not the stage's
             split = _chunks if rule.chunked else (lambda x: [x])
             thetas = split(slot.master)
             none = [None] * len(thetas)
@@ -355,6 +360,10 @@ class LookAhead:
         delta = torch._foreach_mul([_flat(u)[::stride].float() for u in us], -alpha)
         if decay != 1.0:
             torch._foreach_add_(delta, [_flat(t)[::stride] for t in batch.thetas], alpha=decay - 1.0)
+        for slot, offset, theta, x in zip(batch.slots, batch.offsets, batch.thetas, delta):  # unpredicted: no delta
+            for lo, hi in fixed_in(slot, offset, theta.numel()):
+                first, end = -(-lo // stride), -(-hi // stride)
+                x.narrow(0, first, end - first).zero_()
         sums = []
         for slot, offset, x in zip(batch.slots, batch.offsets, delta):
             if slot.sample is None:
@@ -404,8 +413,9 @@ class LookAhead:
         batches, _ = self._plan(scale)
         for batch in batches or []:
             decay, alpha, us = self._compute(batch)
-            for slot, offset, theta, u in zip(batch.slots, batch.offsets, batch.thetas, us):
-                pred = theta.mul(decay).add_(u, alpha=-alpha)
+            preds = [theta.mul(decay).add_(u, alpha=-alpha) for theta, u in zip(batch.thetas, us)]
+            keep_fixed(batch.slots, batch.offsets, batch.thetas, preds)
+            for slot, offset, theta, pred in zip(batch.slots, batch.offsets, batch.thetas, preds):
                 _flat(out[id(slot)]).narrow(0, offset, theta.numel()).copy_(_flat(pred))
         return [out[id(slot)] for slot in self.slots]
 
@@ -425,6 +435,8 @@ class LookAhead:
             "error_windows": self.error_windows,
             "error_every": ERROR_EVERY,
             "seconds": self.seconds,
+            "tied_unpredicted": self.tied_keys,
+            "unpredicted_elements": sum(min(s.master.numel(), sum(n for _, n in s.fixed)) for s in self.slots),
         }
 
 
@@ -484,4 +496,5 @@ def make_lookahead(ctx, enabled, restore="copy"):
             logger.warning(f"ds_paci: stage {ctx.stage_id}: look-ahead off: {reason}; {FALLBACK} (set \"paci\": "
                            "{\"lookahead\": false} to silence this line)")
         return None
-    return LookAhead(slots, _exact_restore(ctx, restore, kind), kind, clip)
+    tied_keys = tied_unpredicted(ctx, slots)  # (one line from rank 0 where tied layers span stages)
+    return LookAhead(slots, _exact_restore(ctx, restore, kind), kind, clip, tied_keys)

@@ -11,6 +11,14 @@ Public contract
 * :func:`torch_slots`, :func:`engine_slots`: the slots of a ``torch.optim``/FusedAdam
   optimizer stepping ``.data`` aliases, and of an engine's optimizer (fp32, DeepSpeed's
   ``BF16_Optimizer``, ZeRO stage 1), or the reason (one phrase) why it is not predicted.
+* Tied owners (:mod:`ds_paci.core.tied`): the step applies to a tied weight the owners' total of window
+  ``k - L``, not the open window's own gradient, and that total is not known at a crossing forward (the
+  peers' messages of that window may not have been posted yet; waiting for them would stall the
+  pipeline). So the tied weights are **not predicted**: their elements are a slot's ``fixed`` ranges
+  (a whole slot on the fp32 path, fragments of the flat partitions under bf16/ZeRO), which the
+  prediction leaves at their current values. The clip norm and the finiteness check leave the tied
+  gradients out, as the real step does (:meth:`~ds_paci.core.tied.optimizer.TiedOptimizer.clear` zeroes
+  them before the stage's norm), so every other parameter of an owner is predicted as on any stage.
 
 The paths (no new communication anywhere):
 
@@ -33,20 +41,21 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+from deepspeed.utils import logger
 
 from ..seam import compat
 from ..seam import deepspeed_internals as ds
 from ..step.local_step import stage_grad_norm
 from .rules import rule_reader
 
-__all__ = ["Slot", "ClipSource", "torch_slots", "engine_slots", "inner_optimizer"]
+__all__ = ["Slot", "ClipSource", "torch_slots", "engine_slots", "inner_optimizer", "tied_unpredicted"]
 
 
 class Slot:
     """One tensor the optimizer steps (the master), its state and group, and where the forward reads it."""
 
     __slots__ = ("master", "optimizer", "group_index", "reader", "grad", "target", "zero_filled", "sample",
-                 "had_grad")
+                 "had_grad", "fixed")
 
     def __init__(self, master, optimizer, group, reader, grad, target=None, zero_filled=False):
         self.master = master
@@ -60,6 +69,26 @@ class Slot:
         self.zero_filled = zero_filled
         self.sample = None  # error telemetry: sum of predicted deltas on the sampled coordinates
         self.had_grad = True  # whether the last local step stepped it (a gradient in the last window)
+        self.fixed = ()  # ``(start, numel)`` ranges of the flattened master left unpredicted (tied weights)
+
+    @property
+    def unpredicted(self):
+        """Whether no element of the slot is predicted (every element in a ``fixed`` range)."""
+        return sum(n for _, n in self.fixed) >= self.master.numel()
+
+    def free_pieces(self, grad):
+        """The pieces of ``grad`` (this slot's window gradient) outside the ``fixed`` ranges, as a list of views."""
+        if not self.fixed:
+            return [grad]
+        flat = grad.view(-1) if grad.is_contiguous() else grad.reshape(-1)
+        pieces, at = [], 0
+        for start, numel in sorted(self.fixed):
+            if start > at:
+                pieces.append(flat.narrow(0, at, start - at))
+            at = max(at, start + numel)
+        if at < flat.numel():
+            pieces.append(flat.narrow(0, at, flat.numel() - at))
+        return pieces
 
     @property
     def group(self):
@@ -113,7 +142,56 @@ def _not_replicated(param):
     return not ds.pipe_replicated(param)
 
 
-def _bf16_slots(opt, reader):
+def fixed_in(slot, offset, numel):
+    """The ``(lo, hi)`` ranges, relative to a chunk at ``offset`` of ``numel`` elements of ``slot``'s master, of
+    its ``fixed`` (unpredicted) elements."""
+    out = []
+    for start, n in slot.fixed:
+        lo, hi = max(offset, start), min(offset + numel, start + n)
+        if lo < hi:
+            out.append((lo - offset, hi - offset))
+    return out
+
+
+def keep_fixed(slots, offsets, thetas, preds):
+    """Copy the current values (``thetas``: chunks of the masters) into ``preds`` where a slot is not predicted."""
+    for slot, offset, theta, pred in zip(slots, offsets, thetas, preds):
+        for lo, hi in fixed_in(slot, offset, theta.numel()):
+            pred.view(-1).narrow(0, lo, hi - lo).copy_(theta.reshape(-1).narrow(0, lo, hi - lo))
+
+
+def _tied_params(ctx):
+    """The ids of this rank's tied parameters whose gradients the owner's step zeroes before its norm (none
+    off an owner)."""
+    tied = ctx.tied
+    return set() if tied is None or not tied.exchanges else {id(p) for p in tied.optimizer.params}
+
+
+def tied_unpredicted(ctx, slots):
+    """Mark the tied weights of an owner unpredicted (each slot's ``fixed`` ranges, from where the tied
+    optimizer finds them); returns the tied keys of this rank (empty off an owner). Where tied layers span
+    stages, rank 0 says so in one line."""
+    tied = ctx.tied
+    if tied is not None and ctx.global_rank == 0:
+        owners = ", ".join(f"{k} (stages {list(v)})" for k, v in sorted(tied.owners.items()))
+        logger.warning(f"ds_paci: look-ahead: tied weights are not predicted ({owners}): their step applies the "
+                       "owners' total of an earlier window (the tied lag), which a crossing forward cannot know yet, "
+                       "so crossing forwards read them at their current version; every other parameter is "
+                       "predicted (see docs/lookahead.md, \"Not predicted\")")
+    if tied is None or not tied.exchanges:
+        return []
+    ranges = {}
+    for s in tied.optimizer.slots:  # the fp32 alias (whole), or a fragment of a flat fp32 partition
+        ranges.setdefault(id(s.target), []).append((s.start, s.numel))
+    for slot in slots:
+        slot.fixed = tuple(ranges.get(id(slot.master), ()))
+        if slot.fixed and slot.target is None and not slot.unpredicted:
+            raise RuntimeError("ds_paci: a tied weight shares an fp32 tensor with untied ones (unexpected layout); "
+                               "set \"paci\": {\"lookahead\": false} or untie the layers")
+    return sorted({k for ex in tied.exchanges for k in ex.keys})
+
+
+def _bf16_slots(opt, reader, tied=frozenset()):
     """DeepSpeed's BF16_Optimizer: fp32 master partitions, fp32 accumulated gradients, bf16 weights."""
     inner = opt.optimizer
     slots = []
@@ -125,7 +203,7 @@ def _bf16_slots(opt, reader):
 
     def norm():  # the full local gradients (every partition), as the wrapper's norm counts them
         return _norm_of(g for lps, gs in zip(ds.bf16_groups(opt), ds.fp32_gradients(opt))
-                        for lp, g in zip(lps, gs) if _not_replicated(lp))
+                        for lp, g in zip(lps, gs) if _not_replicated(lp) and id(lp) not in tied)
 
     return slots, ClipSource(lambda: float(ds.clip_grad(opt)), norm)
 
@@ -151,7 +229,7 @@ def _zero_partition_grad(opt, i, partition):
     return out
 
 
-def _zero_slots(opt, reader):
+def _zero_slots(opt, reader, tied=frozenset()):
     """ZeRO stage 1: this rank's fp32 master partition, its optimizer state, its slice of the flat weights."""
     if ds.zero_cpu_offload(opt):
         return None, None, "ZeRO with CPU offload (the optimizer state lives with DeepSpeedCPUAdam)"
@@ -171,7 +249,7 @@ def _zero_slots(opt, reader):
 
     def norm():
         return _norm_of(ds.gradient_for_reduction(opt, p) for group in ds.round_robin_params(opt) for p in group
-                        if _not_replicated(p))
+                        if _not_replicated(p) and id(p) not in tied)
 
     return slots, ClipSource(lambda: float(ds.clip_grad(opt)), norm), None
 
@@ -184,8 +262,12 @@ def inner_optimizer(opt):
 
 
 def engine_slots(ctx):
-    """``(slots, kind, clip, None)`` for the stage's optimizer (``ctx``: a :class:`~ds_paci.core.engine.stage_context.StageContext`), or ``(None, None, None, reason)``."""
+    """``(slots, kind, clip, None)`` for the stage's optimizer (``ctx``: a :class:`~ds_paci.core.engine.stage_context.StageContext`), or ``(None, None, None, reason)``.
+
+    The clip norm counts what the local step's norm counts: on a tied owner not the tied gradients (the step
+    zeroes them first). The slots' tied ranges are marked by :func:`tied_unpredicted`."""
     opt = ctx.optimizer
+    tied = _tied_params(ctx)
     inner = inner_optimizer(opt)
     reader, reason = rule_reader(inner)
     if reader is None:
@@ -195,9 +277,9 @@ def engine_slots(ctx):
         if reason is not None:
             return None, None, None, reason
         if isinstance(opt, BF16_Optimizer):
-            slots, clip = _bf16_slots(opt, reader)
+            slots, clip = _bf16_slots(opt, reader, tied)
             return slots, "bf16", clip, None
-        slots, clip, reason = _zero_slots(opt, reader)
+        slots, clip, reason = _zero_slots(opt, reader, tied)
         return slots, "zero1", clip, reason
     if ctx.aliases is None:
         return None, None, None, f"optimizer wrapper {type(opt).__name__} is not supported"
@@ -207,5 +289,5 @@ def engine_slots(ctx):
     if slots is None:
         return None, None, None, reason
     clip = ClipSource(lambda: float(ctx.gradient_clipping()),
-                      lambda: float(stage_grad_norm(ctx.module.parameters())))
+                      lambda: float(stage_grad_norm(p for p in ctx.module.parameters() if id(p) not in tied)))
     return slots, "torch", clip, None

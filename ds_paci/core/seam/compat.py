@@ -1,8 +1,8 @@
 """Everything in ds_paci that depends on the installed DeepSpeed version.
 
 Supported: ``deepspeed >= 0.16.0, <= 0.19.8`` (:data:`SUPPORTED`, declared in ``setup.py``; the versions
-actually tested are listed in the README). Each difference below is detected from DeepSpeed's own code
-(a method or constant being there), not from the version number, so a patched or in-between release
+actually tested are listed in ``docs/deepspeed-versions.md``). Each difference below is detected from DeepSpeed's
+own code (a method or constant being there), not from the version number, so a patched or in-between release
 gets the behaviour it actually has. The versions named are those whose source was read.
 
 1. **Who scales the last stage's loss by 1/M** (``M = gradient_accumulation_steps``).

@@ -1,9 +1,11 @@
-"""Test-environment shims for running Megatron-DeepSpeed (4efb479d) on this CPU-only CI machine.
+"""CPU-only environment shim for Megatron-DeepSpeed (4efb479d) with DeepSpeed 0.19.8: what a CPU machine without
+torchvision and flash-attn lacks to run the unmodified ``pretrain_gpt.py`` (README, "Megatron-DeepSpeed").
 
-NOT part of ds_paci, and not something a Megatron user on a GPU node needs. The integration test puts this folder
-on ``PYTHONPATH``, so Python imports this file at start-up in every process of a run (launcher and ranks);
-nothing is imported here eagerly: each shim is an import hook that acts only when Megatron (or DeepSpeed)
-imports the module concerned. No Megatron or DeepSpeed file is edited. What each shim stands in for:
+NOT part of ds_paci and not about PACI: the stock engine needs it just the same on such a machine, and a Megatron
+user on a GPU node with Megatron's usual packages (and DeepSpeed <= 0.19.4) needs none of it. Put this folder on
+``PYTHONPATH`` and Python imports this file at start-up in every process of a run (launcher and ranks); nothing is
+imported here eagerly: each shim is an import hook that acts only when Megatron (or DeepSpeed) imports the module
+concerned. No Megatron or DeepSpeed file is edited. What each shim stands in for (``README.md`` here, one line each):
 
 1. ``megatron.model.vision.knn_monitor`` -> a stub. ``megatron/training.py`` imports it at top level; the real one
    imports torchvision and PIL (not installed here). GPT pre-training never calls it.
@@ -30,7 +32,7 @@ import importlib.machinery
 import importlib.util
 import sys
 
-_STUBBED = "stubbed out by the ds_paci Megatron test environment (tests/megatron/env_shims)"
+_STUBBED = "stubbed out by the CPU-only environment shim (launch/megatron_cpu/sitecustomize.py)"
 
 
 def _raise(what):
