@@ -154,7 +154,8 @@ def predict(runs, ping, micro, gas, width_bytes):
 
 
 def drive(args):
-    from ds_paci.tools.processes.local_nodes import Node, free_port, node_command, stop_all, write_hostfile
+    from ds_paci.tools.processes.local_nodes import Node, node_command, stop_all, write_hostfile
+    from ds_paci.tools.processes.world import free_port
     work = tempfile.mkdtemp(prefix="link_check_")
     host = write_hostfile(os.path.join(work, "hostfile"), {"nodeA": 1, "nodeB": 1})
     port = free_port()

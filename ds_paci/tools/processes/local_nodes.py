@@ -25,7 +25,6 @@ import signal
 import sys
 
 from .launched import Launched
-from .world import free_port  # noqa: F401  (re-exported for the tests)
 
 _CLONE_NEWNS, _MS_BIND, _MS_REC, _MS_PRIVATE = 0x00020000, 4096, 16384, 1 << 18
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 
 from ..processes.launched import ROOT, Launched  # noqa: F401  (ROOT: the tests import it from here)
-from ..processes.world import free_port  # noqa: F401  (the tests import it from here)
+from ..processes.world import free_port
 TRAIN = os.path.join("launch", "train.py")
 TINY = ["--tokenizer", "byte", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--seq-len", "32",
         "--eval-interval", "0", "--eval-batches", "1"]
