@@ -124,34 +124,29 @@ def _guarding(item):
     return None if item.get_closest_marker(MARKER) else item
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item):
+def _guard_phase(item):
+    """The body of the setup, call and teardown wrappers: the guard watches an unmarked item while the phase runs."""
     global _guarded
     _guarded = _guarding(item)
     try:
         return (yield)
     finally:
         _guarded = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _guard_phase(item))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    global _guarded
-    _guarded = _guarding(item)
-    try:
-        return (yield)
-    finally:
-        _guarded = None
+    return (yield from _guard_phase(item))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    global _guarded
-    _guarded = _guarding(item)
-    try:
-        return (yield)
-    finally:
-        _guarded = None
+    return (yield from _guard_phase(item))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,13 +1,11 @@
 """Per-rank bodies of the tied-owner look-ahead test (issue 28 item 3), run through ``harness.run_world``: real
 engines over gloo, the tied MLP (first and last layer's weight one ``TiedLayerSpec``: every stage of P = 2 owns it)."""
 
-import logging
-
 import torch
-from deepspeed.utils import logger as ds_logger
 
 import ds_paci
 from mlp import mlp_pipeline, regression_batches
+from lookahead_workers import build_logged, predict_before_each_step
 from workers import MICRO, ds_config
 
 ADAMW = {"lr": 3e-2, "betas": [0.9, 0.95], "weight_decay": 0.1, "torch_adam": True}
@@ -17,16 +15,6 @@ CASES = {
     "bf16 BF16_Optimizer, clipping": dict(bf16=True, clip=0.05),
     "ZeRO-1 fp32, clipping": dict(zero=1, clip=0.05),
 }
-
-
-class _Lines(logging.Handler):
-
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
 
 
 def _engine(case, stages, gas):
@@ -78,32 +66,16 @@ def tied_owner_predictions(rank, stages, gas, calls, names):
     out = {}
     for name in names:
         case = CASES[name]
-        lines = _Lines()
-        ds_logger.addHandler(lines)
-        try:
-            engine = _engine(case, stages, gas)
-        finally:
-            ds_logger.removeHandler(lines)
+        engine, lines = build_logged(_engine, case, stages, gas)
         la = engine._lookahead
         window = engine.accumulation_window
         row = {"relative": [], "max_abs": [], "tied_predicted_move": [], "tied_real_move": [], "norms": [],
                "lookahead": la is not None, "optimizer": type(engine.optimizer).__name__,
-               "log": [x for x in lines.lines if "tied weights are not predicted" in x],
+               "log": [x for x in lines if "tied weights are not predicted" in x],
                "owner": bool(engine._tied.exchanges)}
         out[name] = row
-        pending = {}
         masks = _tied_masks(engine)
-
-        def before_step(original=la.before_step):
-            pending["pred"] = la.predict_next(window, window)
-            pending["before"] = [m.detach().clone() for m in la.masters()]
-            original()
-
-        def after_step(original=la.after_step):
-            original()
-            _compare(la, pending["pred"], pending["before"], row, masks)
-
-        la.before_step, la.after_step = before_step, after_step
+        predict_before_each_step(la, window, lambda pred, before: _compare(la, pred, before, row, masks))
         data = regression_batches(MICRO)
         if case.get("bf16"):
             data = ((x.bfloat16(), y.bfloat16()) for x, y in data)

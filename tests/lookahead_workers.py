@@ -276,6 +276,16 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def build_logged(build, *args):
+    """``build(*args)`` with DeepSpeed's logger captured: (what it returned, the messages logged while it ran)."""
+    lines = _Lines()
+    ds_logger.addHandler(lines)
+    try:
+        return build(*args), lines.lines
+    finally:
+        ds_logger.removeHandler(lines)
+
+
 def predictor_matches_step(rank, stages, gas, calls, names):
     """For each optimizer case: before every local step predict with n = a, compare with the real step after it.
 
@@ -284,17 +294,12 @@ def predictor_matches_step(rank, stages, gas, calls, names):
     out = {}
     for name in names:
         case = OPTIMIZER_CASES[name]
-        lines = _Lines()
-        ds_logger.addHandler(lines)
-        try:
-            engine = _engine_for(case, stages, gas)
-        finally:
-            ds_logger.removeHandler(lines)
+        engine, lines = build_logged(_engine_for, case, stages, gas)
         la = engine._lookahead
         row = {"wrapper": type(engine.optimizer).__name__, "inner": type(getattr(engine.optimizer, "optimizer",
                                                                                   engine.optimizer)).__name__,
                "lookahead": la is not None, "diffs": [], "moved": [], "restored": [], "changed": [], "norms": [],
-               "log": [x for x in lines.lines if "look-ahead off" in x]}
+               "log": [x for x in lines if "look-ahead off" in x]}
         out[name] = row
         if la is None:
             engine.destroy()
@@ -313,10 +318,9 @@ def predictor_matches_step(rank, stages, gas, calls, names):
     return out
 
 
-def _record_steps(engine, la, row):
-    """Wrap the look-ahead's hooks: the n = a prediction before each step vs the step; weights around each forward."""
-    lp = [p for p in engine.module.parameters()]
-    window = engine.accumulation_window
+def predict_before_each_step(la, window, compare):
+    """Wrap the look-ahead's step hooks: just before each local step predict with the complete window (n = a) and
+    copy the masters; just after it call ``compare(prediction, masters before the step)``."""
     pending = {}
 
     def before_step(original=la.before_step):
@@ -326,9 +330,21 @@ def _record_steps(engine, la, row):
 
     def after_step(original=la.after_step):
         original()
+        compare(pending["pred"], pending["before"])
+
+    la.before_step, la.after_step = before_step, after_step
+
+
+def _record_steps(engine, la, row):
+    """Wrap the look-ahead's hooks: the n = a prediction before each step vs the step; weights around each forward."""
+    lp = [p for p in engine.module.parameters()]
+
+    def compare(pred, before):
         masters = la.masters()
-        row["diffs"].append(max((p - m).abs().max().item() for p, m in zip(pending["pred"], masters)))
-        row["moved"].append(min((b - m).abs().max().item() for b, m in zip(pending["before"], masters)))
+        row["diffs"].append(max((p - m).abs().max().item() for p, m in zip(pred, masters)))
+        row["moved"].append(min((b - m).abs().max().item() for b, m in zip(before, masters)))
+
+    predict_before_each_step(la, engine.accumulation_window, compare)
 
     original_applied = la.applied
 
@@ -347,7 +363,7 @@ def _record_steps(engine, la, row):
             row["restored"].append(max((p.detach() - r).abs().max().item() for p, r in zip(lp, self.real)))
             return result
 
-    la.before_step, la.after_step, la.applied = before_step, after_step, Applied
+    la.applied = Applied
 
 
 # -- data-parallel replicas stay bit-identical --------------------------------------------------------------
