@@ -367,4 +367,13 @@ def stage_exits_after_drain(rank, stages, calls):
         os._exit(0)  # as a launcher's rank that finished: no barrier, no clean-up
     time.sleep(3.0)  # stage 1's sockets are closed by now
     losses = [float(engine.drain()) for _ in range(2)]  # nothing in flight: only the loss side channel talks
-    return {"losses": losses, "gone": sorted(engine._channel.gone), "sent": engine._channel.sent}
+    out = {"losses": losses, "gone": sorted(engine._channel.gone), "sent": engine._channel.sent}
+    # The last stage stays until stage 0 has read its channel: an exiting process closes its side of the channel
+    # (at interpreter exit its group is destroyed), and stage 0 would then rightly count it gone too.
+    import torch.distributed as dist
+    done = torch.zeros(1)
+    if rank == 0:
+        dist.send(done, dst=stages - 1)
+    elif rank == stages - 1:
+        dist.recv(done, src=0)
+    return out

@@ -27,10 +27,17 @@ def _config(tmp_path, **paci):
     return str(path)
 
 
-def torchrun(args, timeout=240):
+def torchrun(args, timeout=240, tries=3):
+    """One torchrun launch on a free port; relaunched on another port (at most ``tries`` launches in all) when the
+    rendezvous store could not bind its port (EADDRINUSE: another process took the free port between its pick and
+    torchrun's bind, before any rank ran), which says nothing about how a run ends."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", LOCAL_SIZE="2")
-    cmd = launch_command(2, *args, launcher="torchrun")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    for _ in range(tries):
+        cmd = launch_command(2, *args, launcher="torchrun")
+        run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if run.returncode == 0 or "EADDRINUSE" not in run.stderr:
+            return run
+    return run
 
 
 def test_the_warning_counts_what_a_real_stream_left_open(capsys):

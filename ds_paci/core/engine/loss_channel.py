@@ -29,7 +29,8 @@ Contract
   :data:`KEEP_SENDS` messages old: the receiver consumes up to :data:`DEPTH` messages per call and is at
   most a few calls behind (the pipeline's own transfers couple the stages), so such a send has long
   completed and the ``wait()`` returns at once.
-* **Shutdown.** :meth:`~LossChannel.close` drops the pending works: nothing waits on a receive that will
+* **Shutdown.** :meth:`~LossChannel.flush` gives the pending sends a bounded time to leave (used before a
+  process destroys the channel's group or exits), :meth:`~LossChannel.close` drops the pending works: nothing waits on a receive that will
   never be matched, and a process can exit or destroy its process groups at any time (the tests check it).
 * **Best effort.** The channel carries information, never a result a rank depends on: a transfer to or
   from a peer that has finished and exited (gloo: "Connection closed by peer") is dropped, that peer is
@@ -278,6 +279,24 @@ class LossChannel:
                 if rec.arrived() and rec.buf[_KIND].item() == STOP:
                     return self._decode(rec.buf)
         return None
+
+    def flush(self, seconds=2.0):
+        """Give the pending sends up to ``seconds`` in all to leave this process (a peer that has exited is left out),
+        so that a process about to destroy the channel's group or exit does not cut off its last messages."""
+        import datetime
+        import time
+        deadline = time.monotonic() + seconds
+        for peer, pending in list(self._sends.items()):
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                work, _ = pending.popleft()
+                try:
+                    work.wait(timeout=datetime.timedelta(seconds=left))
+                except RuntimeError:
+                    self._drop(peer)  # gone (or not delivered in time): nothing more to wait for there
+                    break
 
     def close(self):
         """Drop every pending send and receive (see the module docstring); the channel is unusable afterwards."""

@@ -207,6 +207,8 @@ def finish_engines(drain, release):
             say(f"ds_paci.run: the script returned; engine.drain() applied the gradients of the micro-batches it "
                 f"left open (on stage {engine.stage_id}: {window} in the accumulation window, {flying} in flight)")
         engine._finished = True
+        if alive and getattr(engine, "_channel", None) is not None:
+            engine._channel.flush()  # the last losses leave before the group goes
         for part in ("_watchdog", "_channel"):
             if getattr(engine, part, None) is not None:
                 getattr(engine, part).close()
