@@ -51,7 +51,8 @@ _guarded = None  # the item whose phase is running, when it is not marked `proce
 # about that test. DeepSpeed's op-compatibility probe compiles a tiny C program (gcc) the first time a process uses
 # ``deepspeed.ops``; matplotlib lists the machine's fonts (fc-list) when it builds its font cache, once per machine
 # (a fresh CI machine has no cache: which test imports pyplot first depends on the workers' order).
-PROBES = {("deepspeed.ops.op_builder.builder", "has_function"), ("matplotlib.font_manager", "_get_fontconfig_fonts")}
+PROBES = {("deepspeed.ops.op_builder.builder", "has_function"),
+          ("matplotlib.font_manager", "_get_fontconfig_fonts")}
 
 
 def _machine_probe():
