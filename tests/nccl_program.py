@@ -257,3 +257,59 @@ def deepspeed_train_schedule(P, M, batches=2, D=1, owners=()):
                 else:
                     _p2p(me, a, s, d, rank)
     return {r: x.ops for r, x in ranks.items()}
+
+
+def hoisted_nonblocking(P, M, window, calls, groups):
+    """A candidate order for non-blocking pipeline transfers (issue 27 item 3, step B; the engine does not run it
+    yet), per rank of one pipeline: each activation ``isend`` right after its forward, each gradient ``isend`` right
+    after its backward (before a step), each ``irecv`` posted one micro-batch ahead (the next is posted when the
+    current one is waited for, just before its forward or backward), at most one send in flight per link (the
+    previous send is waited for before the next is issued), the lowered program's ``LOAD`` and ``STEP`` host syncs.
+
+    ``groups``: ``"one"`` (every transfer on the default group), ``"direction"`` (one group for all activations, one
+    for all gradients), ``"link"`` (a two-rank group per link and direction, ``act<s>``: ``s -> s+1``, ``grad<s>``:
+    ``s+1 -> s``, each with its start-up exchange of :func:`first_exchange.plan`)."""
+    lowered, _ = lowered_calls(P, M, window, calls)
+    ids = itertools.count()
+
+    def group(kind, a, b):
+        low = min(a, b)
+        return {"one": "default", "direction": kind, "link": f"{kind}{low}"}[groups]
+
+    programs = {}
+    for s in range(P):
+        me = _Rank(s, ids)
+        if groups == "link":
+            items = [first_exchange.Item((first_exchange.PIPE, kind, low), (low, low + 1), "pairs", f"{kind}{low}")
+                     for low in (s - 1, s) if 0 <= low < P - 1 for kind in ("act", "grad")]
+            for op, peer, item in first_exchange.plan(items, s):
+                me.op(op, peer, item.group, ("first", item.key))
+        actions = [a for _, programs_ in lowered for tick in programs_[s] for a in tick]
+        order = {kind: [a.micro_batch for a in actions if a.kind is kind] for kind in (Kind.FORWARD, Kind.BACKWARD)}
+        posted, last_send = {}, {}
+        links = {Kind.FORWARD: (s - 1, s + 1, "act"), Kind.BACKWARD: (s + 1, s - 1, "grad")}
+
+        def post(kind, index):
+            src, _, name = links[kind]
+            if 0 <= src < P and index < len(order[kind]):
+                m = order[kind][index]
+                posted[(kind, m)] = me.op("irecv", src, group(name, s, src), (name, m))
+
+        for kind in links:
+            post(kind, 0)
+        for a in actions:
+            if a.kind in links:
+                src, dst, name = links[a.kind]
+                if 0 <= src < P:
+                    me.block(posted.pop((a.kind, a.micro_batch)))
+                    post(a.kind, order[a.kind].index(a.micro_batch) + 1)
+                if 0 <= dst < P:
+                    if name in last_send:
+                        me.block(last_send[name])
+                    last_send[name] = me.op("isend", dst, group(name, s, dst), (name, a.micro_batch))
+            elif a.kind in (Kind.LOAD, Kind.STEP):
+                me.sync()
+        for op_id in last_send.values():
+            me.block(op_id)
+        programs[s] = me.ops
+    return programs

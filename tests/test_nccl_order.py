@@ -10,6 +10,7 @@ stock step; ``a < M``: drained every call), and DeepSpeed's own ``TrainSchedule`
 for one window drawn per cell; the full window range of each P for a few M (the grid is sampled to keep the test
 under a few seconds per P; ``NCCL_ORDER_FULL=1`` runs every window of every cell). The look-ahead changes which
 weights a forward reads, never a transfer (its package issues no communication), so its program is the one checked.
+The last test checks a candidate order for non-blocking transfers (step B of the item) before it is built.
 """
 
 import itertools
@@ -118,3 +119,20 @@ def test_the_start_up_order_is_one_global_order():
     assert plan(items, 7) == []
     with pytest.raises(ValueError, match="unknown kind"):
         plan([Item((0,), (0, 1), "bogus")], 0)
+
+
+def test_hoisted_nonblocking_transfers_need_a_group_per_link_and_direction():
+    """Step B's ordering, checked before it is built (:func:`nccl_program.hoisted_nonblocking`; the engine still uses
+    DeepSpeed's blocking transfers): with every transfer on one group, a receive posted ahead sits on the pair's
+    stream before a send the peer waits for, and the run deadlocks; one group per direction still deadlocks with one
+    stream per group (on 4 stages: a stage's receive from ``s-1`` is ahead of its send to ``s+1``); a two-rank group per link and
+    direction, each with its start-up exchange, completes in every mode."""
+    runs = [(P, M, window, calls) for P in (2, 3, 4, 6) for M in (1, 4, 8) for window in (1, P, None)
+            for calls in (CALLS["train"], CALLS["eval-save"])]
+    for P, M, window, calls in runs:
+        check(nccl_program.hoisted_nonblocking(P, M, window, calls, "link"), f"P={P} M={M} window={window}")
+    one = nccl_program.hoisted_nonblocking(3, 4, None, CALLS["train"], "one")
+    assert all(nccl_model.run(one, streams, comms) for streams, comms in MODES)
+    direction = nccl_program.hoisted_nonblocking(4, 4, None, CALLS["train"], "direction")
+    assert nccl_model.run(direction, "pair", "eager") is None
+    assert nccl_model.run(direction, "group", "eager") is not None
