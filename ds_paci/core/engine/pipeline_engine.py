@@ -94,6 +94,7 @@ from ..step.guard import PACINonFiniteError, SkipCounter
 from ..step.local_step import clipping_policy, guarded_step, make_stage_local, step_lr
 from ..lookahead.predict import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
+from . import first_exchange
 from .monitor import LastStageMonitor
 from ..program.passes import lower_call
 from ..program.actions import Kind, format_action
@@ -163,7 +164,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         ds.set_step_applied(self, True)  # False only once a step was actually skipped
         self._last_loss = None  # (loss tensor, origin call) most recently returned
         self._loss_fresh = False
-        self._channel = LossChannel(*pipeline_groups(self.grid), self.stage_id)
+        loss_group = pipeline_groups(self.grid)  # its channel posts receives: built after the first exchange below
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
                                   explain=self._explain_wait)
         # what the tied exchange and the look-ahead may use of this engine (they never see the engine itself)
@@ -172,6 +173,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                                  ticks_emitted=lambda: self._stream.ticks_emitted,
                                  window=lambda: self._stream.window)
         self._tied = self._ctx.tied = TiedWeights.create(self._ctx)  # every rank: it creates process groups
+        # a first transfer on every group this rank talks on: no NCCL communicator is created lazily mid-stream
+        self._first_exchange = first_exchange.run_for(self, loss_group)
+        self._channel = LossChannel(*loss_group, self.stage_id)
         # A newer DeepSpeed may reach a global group inside an optimizer step: check the first local step once.
         reason = None if self._stock_step else check_reason()
         self._collective_guard = None if reason is None else StageCollectiveGuard(self, reason)
@@ -329,6 +333,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                      loss_origin_call=origin,
                      loss_age=None if origin is None else self._loss_calls - origin,
                      tied=None if self._tied is None else self._tied.stats(),
+                     first_exchange=dict(self._first_exchange),
                      lookahead=self._lookahead.stats() if self._lookahead is not None else {"enabled": False})
         return stats
 
