@@ -50,7 +50,8 @@ point-to-point transfers of stages that step at different ticks). The policy her
   group's ranks, a collective in all but name; a gloo group would copy the tied gradient to the host
   at every step. Each owner pair's communicator gets its first transfer while the engine is built
   (:mod:`ds_paci.core.engine.first_exchange`): created lazily at the first post instead, it would block the
-  last stage's host until stage 0 posts, while stage 0 waits for a gradient the last stage sends later. Memory: a send of window ``v`` is matched by the peer's receive posted at its step
+  last stage's host until stage 0 posts, while stage 0 waits for a gradient the last stage sends later.
+  Memory: a send of window ``v`` is matched by the peer's receive posted at its step
   ``v``, which the lag guarantees has happened before this owner's step ``v + L``; there every owner
   waits on its sends of windows ``<= v`` (at once on a completed transfer; gloo frees a send only once
   waited on), so at most ``L + 1`` sends per peer are ever pending.
