@@ -18,7 +18,8 @@ Public contract:
   that exits while a :class:`LinkedNodes` is still open.
 * :meth:`LinkedNodes.prefix` is the argv prefix running a command in node ``i`` (``ip netns exec NAME``),
   :attr:`LinkedNodes.addresses` the nodes' addresses, :attr:`LinkedNodes.ifname` the veth's name in each
-  namespace (the same in both; ``GLOO_SOCKET_IFNAME``), :meth:`LinkedNodes.set_rate` changes the limit in place.
+  namespace (the same in both; ``GLOO_SOCKET_IFNAME``), :meth:`LinkedNodes.set_rate` changes the limit in
+  place; :func:`burst_bytes` is the bucket's size (at most that many bytes pass above the rate).
 
 Rates are in Mbit/s (``tc``'s ``mbit``: 10^6 bits per second).
 """
@@ -78,7 +79,8 @@ def sweep_stale():
     return gone
 
 
-def _burst_bytes(rate_mbit):
+def burst_bytes(rate_mbit):
+    """The token bucket's size in bytes for a link of ``rate_mbit`` (what may pass at once, above the rate)."""
     # tbf needs at least rate/HZ bytes of bucket; 4 ms of traffic (at least 32 KiB) also passes a 64 KiB GSO
     # segment of a fast link without holding it back longer than its own time on the wire
     return max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
@@ -106,7 +108,7 @@ class LinkedNodes:
     def _tbf(self, verb, node):
         rate = self.rate_mbit
         _run(["ip", "netns", "exec", self.names[node], "tc", "qdisc", verb, "dev", self.ifname, "root", "tbf",
-              "rate", f"{rate:g}mbit", "burst", str(_burst_bytes(rate)), "latency", f"{self.latency_ms}ms"],
+              "rate", f"{rate:g}mbit", "burst", str(burst_bytes(rate)), "latency", f"{self.latency_ms}ms"],
              f"limiting the link to {rate:g} Mbit/s")
 
     def set_rate(self, rate_mbit):

@@ -132,7 +132,8 @@ def rank_job(args):
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
                 losses.append(None if loss is None else float(loss))
-            run = {"variant": name, "round": round_, "seconds_per_batch": times, "losses": losses}
+            run = {"variant": name, "round": round_, "seconds_per_batch": times, "losses": losses,
+                   "engine": type(engine).__name__}
             if "paci" in overlay and overlay["paci"].get("enabled", True):
                 trace = engine.paci_trace()
                 for kind, text in (("ForwardPass", "F"), ("BackwardPass", "B")):  # instruction texts F3, B3
