@@ -81,9 +81,8 @@ def sweep_stale():
 
 def burst_bytes(rate_mbit):
     """The token bucket's size in bytes for a link of ``rate_mbit`` (what may pass at once, above the rate)."""
-    # tbf needs at least rate/HZ bytes of bucket; 4 ms of traffic (at least 32 KiB) also passes a 64 KiB GSO
-    # segment of a fast link without holding it back longer than its own time on the wire
-    return max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.004))
+    # small, so that a ping-pong sees the rate and not the bucket (measured here: 16 KiB passes 300 Mbit/s in full)
+    return max(16 * 1024, int(rate_mbit * 1e6 / 8 * 0.001))
 
 
 class LinkedNodes:
