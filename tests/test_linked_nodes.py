@@ -94,3 +94,24 @@ def test_a_bad_variant_is_one_line(spec):
 def test_rates_must_be_positive():
     with pytest.raises(ValueError, match="rate_mbit must be > 0"):
         netns.LinkedNodes(0)
+
+
+def test_without_root_the_harness_and_the_study_refuse_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    why = netns.unavailable()
+    assert why.startswith("emulated links need root") and "\n" not in why
+    assert linked.main(["--rates", "100"]) == 2
+    assert capsys.readouterr().err == f"error: {why}\n"
+
+
+@pytest.mark.process
+def test_a_failing_rank_ends_the_others_at_once(tmp_path):
+    """Rank 1 exits 3 before joining; rank 0, waiting for it in the rendezvous (a 300 s timeout), is killed by the
+    harness (-9) rather than left to time out and exit with its own error."""
+    out_dir = str(tmp_path)
+
+    def argv(rank):
+        return _argv(out_dir) if rank == 0 else [sys.executable, "-c", "import sys; sys.exit(3)"]
+
+    codes, outputs = linked.run_shape(None, "pp2", argv, timeout=600)
+    assert codes == [-9, 3], (codes, outputs[0][-2000:])

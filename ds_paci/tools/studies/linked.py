@@ -155,7 +155,8 @@ def _job_argv(args, out_dir, variants):
 
 def run_shape(linked, shape, argv_of_rank, timeout=1800):
     """Start one process per rank of ``shape`` (``argv_of_rank(rank)``), each in its node's namespace (or all on
-    this machine's loopback when ``linked`` is None); returns their exit codes and outputs, every process ended."""
+    this machine's loopback when ``linked`` is None); returns their exit codes and outputs, every process ended.
+    The first rank to fail, or ``timeout``, ends them all (a rank killed here reads -9)."""
     from ds_paci.tools.processes.launched import Launched
     from ds_paci.tools.processes.world import free_port
     node_of = PLACEMENTS[shape]
@@ -173,11 +174,11 @@ def run_shape(linked, shape, argv_of_rank, timeout=1800):
             prefix = linked.prefix(node) if linked else []
             procs.append(Launched(prefix + argv_of_rank(rank), env=env))
         deadline = time.monotonic() + timeout
-        codes = []
-        for p in procs:
-            codes.append(p.finish(timeout=max(1.0, deadline - time.monotonic())))
-            if codes[-1] != 0:
+        while time.monotonic() < deadline:  # fail fast: the first rank to fail ends the others (finally)
+            codes = [p.proc.poll() for p in procs]
+            if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
                 break
+            time.sleep(0.2)
     finally:
         for p in procs:
             p.kill_all()
