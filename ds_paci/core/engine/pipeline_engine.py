@@ -6,7 +6,8 @@ Contract (see also ``docs``/README):
   persistent 1F1B stream (``M = gradient_accumulation_steps``). Nothing is flushed;
   micro-batches of this call may still be in flight when it returns. Each stage
   applies its own optimizer step after every ``a``-th local backward
-  (``a = paci.accumulation_window``, default ``M``). No collective spanning two
+  (``a = paci.accumulation_window``, default ``M``), at the place its step phase says
+  (``paci.step_phase``: ``"aligned"`` or ``"diagonal"``, :mod:`ds_paci.core.program.stream`). No collective spanning two
   stages runs: the only cross-stage traffic is the pipeline's own point-to-point
   transfers. Data-parallel replicas of a stage reduce gradients among themselves
   at each local step.
@@ -97,7 +98,7 @@ from .loss_channel import LossChannel, pipeline_groups
 from .monitor import LastStageMonitor
 from ..program.passes import lower_call
 from ..program.actions import Kind, format_action
-from ..program.stream import PACIStream, drift_bound
+from ..program.stream import PACIStream, drift_bound, step_phase
 from .stage_context import StageContext
 from .startup import announce, watch_open_window
 from .telemetry import StageTelemetry
@@ -142,7 +143,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         window = self._configured_window()
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
         self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
-        self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches)
+        self._step_phase = self.paci.phase_rule(self._stock_step, tied=bool(tied_owner_stages(self.module)))
+        self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches,
+                                  step_phase(self._step_phase, self.stage_id, window))
         ds.reserve_pipe_buffers(self, self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
         compat.adapt_engine(self, stock=self._stock_step)  # what differs between DeepSpeed versions
@@ -282,7 +285,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
             window = self.micro_batches if self._stock_step else self._configured_window()
             self.telemetry.window = window
             self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window)
-        self._stream.set_micro_batches(self.micro_batches, window)
+        phase = step_phase(self._step_phase, self.stage_id, window or self._stream.window)
+        self._stream.set_micro_batches(self.micro_batches, window, phase)
 
     def reset_activation_shape(self):
         if hasattr(self, "_stream") and not self.is_drained:
@@ -320,6 +324,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                      drains=self._drains,
                      skipped_steps=self._skips.total,
                      window_fill=self._stream.window_fill,
+                     step_phase=self._step_phase, open_window=self._stream.window_target,
                      lr_steps=self._stream.lr_count,
                      global_steps=self.global_steps,
                      collective_check=None if self._collective_guard is None else self._collective_guard.summary(),
@@ -420,7 +425,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         self.telemetry.forward(buffer_id)
         if self._lookahead is not None and cmd.crosses_step:
             # this micro-batch's backward comes after the next local step: forward on the predicted next weights
-            with self._lookahead.applied(cmd.window_fill, self._stream.window):
+            with self._lookahead.applied(cmd.window_fill, cmd.open_window or self._stream.window):
                 ds.exec_forward_pass(self, buffer_id)
         else:
             ds.exec_forward_pass(self, buffer_id)
