@@ -6,7 +6,8 @@ Contract (see also ``docs``/README):
   persistent 1F1B stream (``M = gradient_accumulation_steps``). Nothing is flushed;
   micro-batches of this call may still be in flight when it returns. Each stage
   applies its own optimizer step after every ``a``-th local backward
-  (``a = paci.accumulation_window``, default ``M``). No collective spanning two
+  (``a = paci.accumulation_window``, default ``M``), at the place its step phase says
+  (``paci.step_phase``: ``"aligned"`` or ``"diagonal"``, :mod:`ds_paci.core.program.stream`). No collective spanning two
   stages runs: the only cross-stage traffic is the pipeline's own point-to-point
   transfers. Data-parallel replicas of a stage reduce gradients among themselves
   at each local step.
@@ -98,8 +99,9 @@ from . import first_exchange
 from .monitor import LastStageMonitor
 from ..program.passes import lower_call
 from ..program.actions import Kind, format_action
-from ..program.stream import PACIStream, drift_bound
+from ..program.stream import PACIStream, drift_bound, step_phase
 from .stage_context import StageContext
+from .stage_stats import stage_stats
 from .startup import announce, watch_open_window
 from .telemetry import StageTelemetry
 from ..tied.weights import TiedWeights
@@ -143,7 +145,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         window = self._configured_window()
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
         self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
-        self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches)
+        self._step_phase = self.paci.phase_rule(self._stock_step, tied=bool(tied_owner_stages(self.module)))
+        self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches,
+                                  step_phase(self._step_phase, self.stage_id, window))
         ds.reserve_pipe_buffers(self, self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
         compat.adapt_engine(self, stock=self._stock_step)  # what differs between DeepSpeed versions
@@ -286,7 +290,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
             window = self.micro_batches if self._stock_step else self._configured_window()
             self.telemetry.window = window
             self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window)
-        self._stream.set_micro_batches(self.micro_batches, window)
+        phase = step_phase(self._step_phase, self.stage_id, window or self._stream.window)
+        self._stream.set_micro_batches(self.micro_batches, window, phase)
 
     def reset_activation_shape(self):
         if hasattr(self, "_stream") and not self.is_drained:
@@ -313,29 +318,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         return ds.global_grad_norm(self)
 
     def paci_stats(self):
-        """This stage's telemetry: version, local steps, drift, stream position, skips, drains, loss age."""
-        stats = self.telemetry.summary()
-        origin = None if self._last_loss is None else self._last_loss[1]
-        stats.update(in_flight=self._stream.in_flight(),
-                     ticks=self._stream.ticks_emitted,
-                     next_micro_batch=self._stream.next_micro_batch(),
-                     train_batch_calls=self._calls,
-                     loss_calls=self._loss_calls,
-                     drains=self._drains,
-                     skipped_steps=self._skips.total,
-                     window_fill=self._stream.window_fill,
-                     lr_steps=self._stream.lr_count,
-                     global_steps=self.global_steps,
-                     collective_check=None if self._collective_guard is None else self._collective_guard.summary(),
-                     consecutive_skips=self._skips.consecutive,
-                     max_consecutive_skips=self._skips.limit,
-                     grad_norm=None if ds.global_grad_norm(self) is None else float(ds.global_grad_norm(self)),
-                     loss_origin_call=origin,
-                     loss_age=None if origin is None else self._loss_calls - origin,
-                     tied=None if self._tied is None else self._tied.stats(),
-                     first_exchange=dict(self._first_exchange),
-                     lookahead=self._lookahead.stats() if self._lookahead is not None else {"enabled": False})
-        return stats
+        """This stage's telemetry: version, local steps, drift, stream position, skips, drains, loss age
+        (:func:`ds_paci.core.engine.stage_stats.stage_stats` lists every key)."""
+        return stage_stats(self)
 
     def paci_trace(self):
         """Per-instruction records ``{rank, stage, instr, start, end}`` (empty unless ``paci.trace`` is on)."""
@@ -425,7 +410,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         self.telemetry.forward(buffer_id)
         if self._lookahead is not None and cmd.crosses_step:
             # this micro-batch's backward comes after the next local step: forward on the predicted next weights
-            with self._lookahead.applied(cmd.window_fill, self._stream.window):
+            with self._lookahead.applied(cmd.window_fill, cmd.open_window or self._stream.window):
                 ds.exec_forward_pass(self, buffer_id)
         else:
             ds.exec_forward_pass(self, buffer_id)

@@ -21,7 +21,9 @@ Facts, in brackets after the code, only where the action has them:
 
 * forward: ``F7[1,x]``: one backward pass was already in the stage's open window (``window_fill``) and a
   local step falls between this forward and its backward (``crosses_step``, ``x``; ``-`` when not);
-  the look-ahead predicts for exactly those forwards.
+  the look-ahead predicts for exactly those forwards. ``F7[0,x,w3]``: the open window is a partial one that
+  closes after 3 backward passes (``open_window``; present only where it differs from the stage's window ``a``:
+  the first window of a stage whose step phase is not 0, :mod:`ds_paci.core.program.stream`).
 * step: ``STEP3[lr2]``: the LR scheduler steps twice right after it (``lr_steps``; omitted when 1);
   ``STEP3[lr1,drain]``: a tied owner's last step of a segment, run after the drain (``in_drain``).
 * tied: ``TPOST3[L1]`` / ``TAPPLY2[L1]``: the exchange's lag ``L``; ``TAPPLY1+2[L1,all]``: the closing
@@ -80,7 +82,8 @@ class Action:
 
     ``micro_batch``: the global micro-batch id (micro-batch kinds). ``version``: the weight version a
     ``STEP`` produces, the window a ``TIED_POST`` posts. ``windows``: the windows a ``TIED_APPLY`` applies.
-    The rest are the facts the engine acts on: ``window_fill`` and ``crosses_step`` (forward), ``lr_steps``
+    The rest are the facts the engine acts on: ``window_fill``, ``crosses_step`` and ``open_window`` (forward; the
+    last only for a partial window, ``None`` otherwise), ``lr_steps``
     and ``in_drain`` (step), ``lag`` and ``apply_all`` (tied).
     """
 
@@ -91,6 +94,7 @@ class Action:
     windows: Tuple[int, ...] = ()
     window_fill: Optional[int] = None
     crosses_step: Optional[bool] = None
+    open_window: Optional[int] = None
     lr_steps: int = 1
     in_drain: bool = False
     lag: Optional[int] = None
@@ -109,6 +113,8 @@ class Action:
         if (self.window_fill is None) != (self.crosses_step is None) or (self.window_fill is not None
                                                                          and kind is not Kind.FORWARD):
             raise ValueError("window_fill and crosses_step go together, on forwards only")
+        if self.open_window is not None and (self.window_fill is None or self.open_window < 1):
+            raise ValueError(f"open_window needs the forward's window facts and >= 1, got {self.open_window!r}")
 
     def with_(self, **changes):
         """A copy with ``changes`` (actions are immutable)."""
@@ -143,6 +149,8 @@ def format_action(action, facts=True):
         return f"{kind.value}{number}"
     if action.window_fill is not None:
         facts += [str(action.window_fill), "x" if action.crosses_step else "-"]
+        if action.open_window is not None:
+            facts.append(f"w{action.open_window}")
     if kind is Kind.STEP:
         if action.lr_steps != 1:
             facts.append(f"lr{action.lr_steps}")
@@ -179,9 +187,13 @@ def parse_action(text, stage):
         raise ValueError(f"not an action: {text!r} (bad number {number!r})") from None
     items = facts.split(",") if facts else []
     if kind is Kind.FORWARD and items:
-        if len(items) != 2 or not items[0].isdigit() or items[1] not in ("x", "-"):
-            raise ValueError(f"not an action: {text!r} (a forward's facts are [window_fill,x|-])")
+        if (len(items) not in (2, 3) or not items[0].isdigit() or items[1] not in ("x", "-")
+                or (len(items) == 3 and not re.fullmatch(r"w[1-9]\d*", items[2]))):
+            raise ValueError(f"not an action: {text!r} (a forward's facts are [window_fill,x|-] or "
+                             "[window_fill,x|-,w<open window>])")
         fields.update(window_fill=int(items[0]), crosses_step=items[1] == "x")
+        if len(items) == 3:
+            fields["open_window"] = int(items[2][1:])
         items = []
     for item in items:
         if kind is Kind.STEP and re.fullmatch(r"lr\d+", item):
