@@ -89,3 +89,28 @@ def time_per_step(rank, stages, layers, dim, gas, rounds, calls):
             engine.drain(close_window=False)  # nothing in flight before the other engine runs
             times[overlap].append((time.perf_counter() - start) / calls)
     return {"step": times[False], "overlap": times[True]}
+
+
+def fallback_lines(rank):
+    """bf16 (``BF16_Optimizer``) and ZeRO-1 on P = 2 x DP = 2: no overlapped reducer, and rank 0's start-up line
+    says the reduce stays at the step; each trains two calls and drains."""
+    import contextlib
+    import io
+    out = {}
+    for case in ("bf16", "zero1"):
+        model = mlp_pipeline(2, layers=4)
+        cfg = ds_config(2, {"enabled": True, "watchdog_seconds": 120}, bf16=case == "bf16")
+        if case == "zero1":
+            cfg["zero_optimization"] = {"stage": 1}
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            engine = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+        data = _data(engine)
+        if case == "bf16":
+            data = ((x.bfloat16(), y.bfloat16()) for x, y in data)
+        losses = [float(engine.train_batch(data)) for _ in range(2)] + [float(engine.drain())]
+        out[case] = {"reducer": engine._overlap is not None, "optimizer": type(engine.optimizer).__name__,
+                     "lines": [l for l in text.getvalue().splitlines() if "overlap_reduce" in l],
+                     "weights": stage_weights(engine), "stage": engine.stage_id, "losses": losses}
+        engine.destroy()
+    return out

@@ -122,3 +122,19 @@ def test_real_engine_programs_mark_the_window_last_backward():
     for r in results:
         assert r["reducer"] and r["steps"] >= 1 and len(r["marked"]) == r["steps"], r["text"]
         assert "[dp]" in r["text"]
+
+
+@pytest.mark.process
+@pytest.mark.xdist_group("overlap")
+def test_bf16_and_zero1_fall_back_to_the_reduce_at_the_step_and_say_so():
+    results = run_world(overlap_workers.fallback_lines, 4, timeout=300)
+    for case, wrapper in (("bf16", "BF16_Optimizer"), ("zero1", "DeepSpeedZeroOptimizer")):
+        assert all(not r[case]["reducer"] and r[case]["optimizer"] == wrapper for r in results)
+        lines = results[0][case]["lines"]
+        assert len(lines) == 1 and "runs at each local step" in lines[0] and wrapper in lines[0], lines
+        assert all(not r[case]["lines"] for r in results[1:]), "one line, on rank 0"
+        by_stage = {}
+        for r in results:
+            by_stage.setdefault(r[case]["stage"], []).append(r[case]["weights"])
+        for replicas in by_stage.values():
+            assert all(torch.equal(replicas[0][k], replicas[1][k]) for k in replicas[0])
