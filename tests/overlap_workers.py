@@ -25,13 +25,19 @@ def _data(engine):
     return regression_batches(MICRO, seed=3 + 101 * engine.grid.data_parallel_id)
 
 
-def overlap_vs_step(rank, stages, layers, tied, gas, window, client, clip, bucket_elements, calls_before, calls_after):
+def overlap_vs_step(rank, stages, layers, tied, gas, window, client, clip, bucket_elements, calls_before, calls_after,
+                    bad=None):
     """Train the same run twice, the reduce at the step and overlapped: ``calls_before`` calls, a drain that leaves
     the window open (as evaluation and checkpoints do), ``calls_after`` calls, a closing drain (a partial window).
-    Returns each run's losses, weights and what the overlap did."""
+    ``bad``: training micro-batch ``bad`` of data-parallel replica 0 has a NaN loss (the reduce carries it to the
+    other replica: every replica must skip that window). Returns each run's losses, weights and what the overlap
+    did."""
+    from contract_workers import poison_loss
     out = {}
     for overlap in (False, True):
         engine = _engine(stages, layers, tied, gas, window, overlap, client, clip, bucket_elements)
+        if bad is not None and engine.grid.data_parallel_id == 0 and engine.is_last_stage():
+            poison_loss(engine.module, bad)
         data = _data(engine)
         losses = [float(engine.train_batch(data)) for _ in range(calls_before)]
         losses.append(float(engine.drain(close_window=False)))

@@ -103,14 +103,22 @@ def _check_equal_runs(results, expect_overlap=True):
 
 @pytest.mark.process
 @pytest.mark.xdist_group("overlap")
-@pytest.mark.parametrize("tied,client", [(False, "torch.optim"), (True, "deepspeed")])
-def test_overlapped_reduce_equals_the_reduce_at_the_step(tied, client):
+@pytest.mark.parametrize("tied,client,bad", [(False, "torch.optim", None), (True, "deepspeed", None),
+                                             (False, "deepspeed", 3)])
+def test_overlapped_reduce_equals_the_reduce_at_the_step(tied, client, bad):
     """P = 2 x DP = 2, window 3 over M = 2 (windows span calls), clipping on: bit-identical losses and weights.
 
     4 calls (8 micro-batches), a drain leaving 8 mod 3 = 2 in the open window, 3 calls, a closing drain stepping a
-    partial window of 14 mod 3 = 2."""
-    results = run_world(overlap_workers.overlap_vs_step, 4, 2, 4, tied, 2, 3, client, 0.5, 40, 4, 3, timeout=300)
+    partial window of 14 mod 3 = 2. ``bad``: a NaN in replica 0's micro-batch 3 (the second window): the guard
+    skips that window on every replica and stage of both runs."""
+    results = run_world(overlap_workers.overlap_vs_step, 4, 2, 4, tied, 2, 3, client, 0.5, 40, 4, 3, bad,
+                        timeout=300)
     _check_equal_runs(results)
+    skipped = {(r["overlap"]["stage"], r["overlap"]["skipped"], r["step"]["skipped"]) for r in results}
+    if bad is None:
+        assert {s for _, s, _ in skipped} == {0}
+    else:  # the last stage's poisoned window; stage 0 receives the NaN gradient and skips too
+        assert all(over == step >= 1 for _, over, step in skipped), skipped
     if tied:
         assert {r["overlap"]["optimizer"] for r in results} != {"BF16_Optimizer"}
 
