@@ -11,7 +11,8 @@ Example (JSON)::
         "watchdog_seconds": 300,
         "max_consecutive_skips": 5,
         "trace": false,
-        "check_tied_copies": false
+        "check_tied_copies": false,
+        "overlap_reduce": true
     }
 
 Keys (every one optional):
@@ -76,6 +77,17 @@ Keys (every one optional):
     optimizer state) point to point and raise if any bit differs. A debugging aid (it hashes the
     tied parameters and their optimizer state at every drain); the tests turn it on.
 
+``overlap_reduce`` (bool, default true)
+    Async mode with data-parallel replicas: the window's last backward pass (``B7[dp]`` in the program)
+    all-reduces the gradients in buckets as they become final (asynchronous, from post-accumulate-grad
+    hooks), and the local step waits for them instead of reducing (:mod:`ds_paci.core.step.overlap`).
+    Bit-identical to the reduce at the step with two replicas; with more, equal up to the order of each
+    element's sum (fp32 rounding); replicas always identical. fp32 optimizers without ZeRO only: with
+    ``BF16_Optimizer`` or ZeRO-1 the reduce stays at the step and one start-up line says so. ``false``:
+    DeepSpeed's reduce at each local step.
+``overlap_bucket_elements`` (int >= 1, default 4194304)
+    Gradient elements per bucket of the overlapped reduce.
+
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
 names the key, the value and what is allowed. ``ds_paci.initialize`` and
 ``PACIPipelineEngine.__init__`` both call it (the engine before DeepSpeed builds its
@@ -115,6 +127,8 @@ class PACIConfig:
     check_tied_copies: bool = False
     lookahead: bool = True
     lookahead_restore: str = "copy"
+    overlap_reduce: bool = True
+    overlap_bucket_elements: int = 1 << 22
     step_phase: Optional[str] = None  # None: DEFAULT_STEP_PHASE in async mode, "aligned" in sync mode
 
     def phase_rule(self, stock_step, tied=False):
@@ -177,6 +191,8 @@ _KEYS = {
     "lookahead": "true or false",
     "lookahead_restore": "\"copy\" or \"recompute\"",
     "step_phase": "\"aligned\" or \"diagonal\"",
+    "overlap_reduce": "true or false",
+    "overlap_bucket_elements": "an integer >= 1",
 }
 
 
@@ -205,7 +221,8 @@ def parse_paci_section(section):
         return PACIConfigError(f'"paci.{key}" = {value!r} is not allowed; use {_KEYS[key]}')
 
     kw = {"enabled": True}
-    for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies", "lookahead"):
+    for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies", "lookahead",
+                "overlap_reduce"):
         if key in section:
             if not _is_bool(section[key]):
                 raise bad(key, section[key])
@@ -241,6 +258,11 @@ def parse_paci_section(section):
         if phase is not None and phase not in STEP_PHASES:
             raise bad("step_phase", phase)
         kw["step_phase"] = phase
+    if "overlap_bucket_elements" in section:
+        n = section["overlap_bucket_elements"]
+        if not _is_int(n) or n < 1:
+            raise bad("overlap_bucket_elements", n)
+        kw["overlap_bucket_elements"] = n
     return PACIConfig(**kw)
 
 

@@ -93,6 +93,7 @@ from .losses import CallLosses
 from .feed import MicroBatchFeed
 from ..step.guard import PACINonFiniteError, SkipCounter
 from ..step.local_step import clipping_policy, guarded_step, make_stage_local, step_lr
+from ..step.overlap import armed_for, dp_reduce, make_overlap
 from ..lookahead.predict import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
 from . import first_exchange
@@ -102,7 +103,7 @@ from ..program.actions import Kind, format_action
 from ..program.stream import PACIStream, drift_bound, step_phase
 from .stage_context import StageContext
 from .stage_stats import stage_stats
-from .startup import announce, watch_open_window
+from .startup import announce, say, watch_open_window
 from .telemetry import StageTelemetry
 from ..tied.weights import TiedWeights
 from ..tied.layout import tied_owner_stages
@@ -190,6 +191,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(ds.monitor_config(self))
         announce(self)  # rank 0: PACI on, per-stage windows and drift bounds, look-ahead, clipping; advice
+        self._overlap = make_overlap(self, self.paci, self._stock_step, say)  # DP reduce under the last backward
         self._open_window = watch_open_window(self)  # warns if collected or at exit with gradients never applied
 
     def _configured_window(self):
@@ -344,7 +346,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         tied = None
         if self._tied is not None and self._tied.exchanges and not self._stock_step:
             tied = (self._tied.pending_windows(), self._tied.lag)
-        return lower_call(ticks, drain_ticks, sync_steps=self._stock_step, tied=tied, carry=carry)
+        return lower_call(ticks, drain_ticks, sync_steps=self._stock_step, tied=tied, carry=carry,
+                          overlap_reduce=self._overlap is not None)
 
     def _run_call(self, ticks, drain_ticks=None, carry=False):
         first_tick = self._stream.ticks_emitted - len(ticks) - len(drain_ticks or [])
@@ -421,7 +424,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
             factor = compat.last_stage_loss_factor(self.micro_batches, self._stream.window)
             if factor != 1.0:
                 ds.set_stage_loss(self, ds.stage_loss(self) * factor)
-        ds.exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
+        with armed_for(self._overlap, cmd):  # B[dp]: the window's buckets reduce as they become final
+            ds.exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
 
     def _exec_local_accumulate(self, cmd):
         self.telemetry.accumulate(cmd.micro_batch % self._stream.nbuf, cmd.micro_batch)
@@ -447,9 +451,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                 ds.exec_reduce_tied_grads(self)
             ds.exec_reduce_grads(self)
         elif self._tied is not None:
-            self._tied.reduce_grads(version)  # DP reduce plus the tied-gradient exchange
+            self._tied.reduce_grads(version, lambda: dp_reduce(self, self._overlap))  # DP reduce, tied exchange
         else:
-            ds.exec_reduce_grads(self)  # DP group of this stage only
+            dp_reduce(self, self._overlap)  # DP group of this stage only (waits for the overlapped buckets)
         if self._aliases is not None:
             self._aliases.bind_grads()
         if self._stock_step:

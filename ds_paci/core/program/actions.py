@@ -11,6 +11,7 @@ Vocabulary (:class:`Kind`; its value is the text code)::
     L7   load micro-batch 7             F7   forward 7          B7   backward 7
     SA7  send activation of 7           RA7  receive activation of 7
     SG7  send gradient of 7             RG7  receive gradient of 7
+    B7[dp] backward 7, the window's last before its step: the data-parallel reduce runs under it
     ACC7 gradient of 7 joins the open window
     STEP3 local step producing weight version 3 (DeepSpeed's OptimizerStep in stock programs)
     TPOST3 a tied owner posts its window-3 tied gradient to the other owners
@@ -24,6 +25,8 @@ Facts, in brackets after the code, only where the action has them:
   the look-ahead predicts for exactly those forwards. ``F7[0,x,w3]``: the open window is a partial one that
   closes after 3 backward passes (``open_window``; present only where it differs from the stage's window ``a``:
   the first window of a stage whose step phase is not 0, :mod:`ds_paci.core.program.stream`).
+* backward: ``B7[dp]``: the data-parallel reduce of the window overlaps this backward (``reduce_overlap``;
+  :func:`ds_paci.core.program.passes.mark_reduce_backward`, ``"paci": {"overlap_reduce": true}``).
 * step: ``STEP3[lr2]``: the LR scheduler steps twice right after it (``lr_steps``; omitted when 1);
   ``STEP3[lr1,drain]``: a tied owner's last step of a segment, run after the drain (``in_drain``).
 * tied: ``TPOST3[L1]`` / ``TAPPLY2[L1]``: the exchange's lag ``L``; ``TAPPLY1+2[L1,all]``: the closing
@@ -83,8 +86,8 @@ class Action:
     ``micro_batch``: the global micro-batch id (micro-batch kinds). ``version``: the weight version a
     ``STEP`` produces, the window a ``TIED_POST`` posts. ``windows``: the windows a ``TIED_APPLY`` applies.
     The rest are the facts the engine acts on: ``window_fill``, ``crosses_step`` and ``open_window`` (forward; the
-    last only for a partial window, ``None`` otherwise), ``lr_steps``
-    and ``in_drain`` (step), ``lag`` and ``apply_all`` (tied).
+    last only for a partial window, ``None`` otherwise), ``lr_steps`` and ``in_drain`` (step), ``lag`` and
+    ``apply_all`` (tied), ``reduce_overlap`` (backward).
     """
 
     stage: int
@@ -99,6 +102,7 @@ class Action:
     in_drain: bool = False
     lag: Optional[int] = None
     apply_all: bool = False
+    reduce_overlap: bool = False
 
     def __post_init__(self):
         kind = self.kind
@@ -115,6 +119,8 @@ class Action:
             raise ValueError("window_fill and crosses_step go together, on forwards only")
         if self.open_window is not None and (self.window_fill is None or self.open_window < 1):
             raise ValueError(f"open_window needs the forward's window facts and >= 1, got {self.open_window!r}")
+        if self.reduce_overlap and kind is not Kind.BACKWARD:
+            raise ValueError("reduce_overlap marks a backward only")
 
     def with_(self, **changes):
         """A copy with ``changes`` (actions are immutable)."""
@@ -151,6 +157,8 @@ def format_action(action, facts=True):
         facts += [str(action.window_fill), "x" if action.crosses_step else "-"]
         if action.open_window is not None:
             facts.append(f"w{action.open_window}")
+    if action.reduce_overlap:
+        facts.append("dp")
     if kind is Kind.STEP:
         if action.lr_steps != 1:
             facts.append(f"lr{action.lr_steps}")
@@ -196,7 +204,9 @@ def parse_action(text, stage):
             fields["open_window"] = int(items[2][1:])
         items = []
     for item in items:
-        if kind is Kind.STEP and re.fullmatch(r"lr\d+", item):
+        if kind is Kind.BACKWARD and item == "dp":
+            fields["reduce_overlap"] = True
+        elif kind is Kind.STEP and re.fullmatch(r"lr\d+", item):
             fields["lr_steps"] = int(item[2:])
         elif kind in (Kind.STEP, Kind.TIED_POST, Kind.TIED_APPLY) and item == "drain":
             fields["in_drain"] = True

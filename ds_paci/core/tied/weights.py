@@ -301,8 +301,13 @@ class TiedWeights:
         else:
             self._plan.update(apply=action.windows, all=action.apply_all)
 
-    def reduce_grads(self, version):
-        """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
+    def reduce_grads(self, version, dp_reduce=None):
+        """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it.
+
+        ``dp_reduce``: runs the data-parallel reduce (default DeepSpeed's ``ReduceGrads``; the engine's overlapped
+        one waits for the buckets its last backward launched). The tied exchange always follows it."""
+        if dp_reduce is None:
+            dp_reduce = lambda: ds.exec_reduce_grads(self.ctx.engine)  # noqa: E731
         ctx = self.ctx
         plan, self._plan = self._plan, {}
         if self.exchanges and plan.get("post") != version:
@@ -311,7 +316,7 @@ class TiedWeights:
         deferred = plan.get("in_drain", False)  # the last step of a drain, after every owner has posted
         final = plan.get("all", False)  # the step that applies every window not yet applied
         if self.mode != "zero" or not self.exchanges:
-            ds.exec_reduce_grads(ctx.engine)
+            dp_reduce()
         if not self.exchanges:
             return
         stage_finite = self.optimizer.stage_gradient_finite()
@@ -326,7 +331,7 @@ class TiedWeights:
                 offset += p.numel()
             self._reap_sends(ex, version, final, deferred)
         if self.mode == "zero":
-            ds.exec_reduce_grads(ctx.engine)
+            dp_reduce()
         self._last_lag = self.lag
 
     def step(self):
