@@ -81,6 +81,9 @@ def test_counters_follow_calls_and_drains_add_no_step(tmp_path):
 BF16 = [] if compat.DS_BF16_GETS_UNFUSED else ["bf16"]
 
 
+OVERLAPPED = ("torch.optim", "configured")  # fp32 without ZeRO: the overlapped data-parallel reduce (docs/engine.md)
+
+
 @pytest.mark.process
 def test_every_optimizer_path_passes_the_collective_check_and_resumes_an_open_window(tmp_path):
     """PP = 2 x DP = 2, a = 3, M = 2, check forced on: torch.optim, DeepSpeed's AdamW, BF16_Optimizer, ZeRO-1."""
@@ -94,12 +97,16 @@ def test_every_optimizer_path_passes_the_collective_check_and_resumes_an_open_wi
         for r in results:
             x = r[path]
             assert x["optimizer"] == expected[path]
-            # the check ran once, at the first local step, and saw only this stage's groups (the DP reduce)
+            # the check ran once, at the first local step, and saw only this stage's groups: the DP reduce where it
+            # runs at the step (bf16, ZeRO-1); the fp32 paths reduce under the window's last backward
+            # ("overlap_reduce", on by default), so their step enters no collective at all
             check = x["check"]
             assert check["done"] and f"checked because {ENV}=1" in check["reason"]
-            assert check["collectives"], path
-            assert all(set(ranks) <= set(x["stage_ranks"]) for _, ranks in check["collectives"])
-            assert any(len(ranks) == 2 for _, ranks in check["collectives"]), (path, check["collectives"])
+            if path in OVERLAPPED:
+                assert check["collectives"] == [], (path, check["collectives"])
+            else:
+                assert all(set(ranks) <= set(x["stage_ranks"]) for _, ranks in check["collectives"])
+                assert any(len(ranks) == 2 for _, ranks in check["collectives"]), (path, check["collectives"])
             # 4 micro-batches before the save: one local step of 3, one micro-batch in the open window
             assert x["fill"] == 1
             if x["stage"] == 1:  # the last stage's own losses (averaged over its replicas)

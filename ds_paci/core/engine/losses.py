@@ -15,6 +15,7 @@ from deepspeed.runtime.pipe.engine import TRAIN_BATCH_TIMER
 from ..seam import deepspeed_internals as ds
 from ..step.guard import PACINonFiniteError, stop_message
 from ..program.actions import Kind
+from .startup import emit
 
 
 class CallLosses:
@@ -139,9 +140,8 @@ class CallLosses:
             return
         if self.grid.data_parallel_id == 0:  # every stage's own line, from its own counters (shown: stdout)
             look = self._lookahead.stats() if self._lookahead is not None else None
-            print(self.telemetry.describe(look, self._calls), flush=True)
+            emit(self.telemetry.describe(look, self._calls))
         if self.is_last_stage() and self.grid.data_parallel_id == 0:
             elapsed = self.timers(TRAIN_BATCH_TIMER).elapsed(reset=True) / 1000.0
-            print(f"ds_paci: train_batch {self._calls} loss {loss.item():.4f} version {self.telemetry.version} "
-                  f"samples/sec {self.train_batch_size() * every / max(elapsed, 1e-9):.1f}",
-                  flush=True)
+            emit(f"ds_paci: train_batch {self._calls} loss {loss.item():.4f} version {self.telemetry.version} "
+                 f"samples/sec {self.train_batch_size() * every / max(elapsed, 1e-9):.1f}")

@@ -44,10 +44,18 @@ def rank():
         return 0
 
 
+def emit(line):
+    """Write ``line`` and its newline to stdout in one write, flushed. Launched ranks share one pipe and run
+    unbuffered (``python -u``), where ``print`` writes the text and its newline separately: another rank's line
+    could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def say(line):
     """Print ``line`` on global rank 0 (stdout, flushed: shown whatever DeepSpeed's log level)."""
     if rank() == 0:
-        print(line, flush=True)
+        emit(line)
 
 
 def say_off(reason, fix):
