@@ -7,7 +7,7 @@ import torch
 from ds_paci.core.lookahead.predict import lookahead_for_torch_optimizer
 from ds_paci.core.step.local_step import ParamAliases
 from ds_paci.tools.replay.candidates import (AdaptiveWindows, Candidate, CandidateLookAhead, adam_next,
-                                             lr_compensation, window_gradient_estimate)
+                                             lr_compensation, lr_to_slowest, window_gradient_estimate)
 
 
 def _setup(make_opt, seed=0, shapes=((6, 4), (4, ))):
@@ -121,6 +121,12 @@ def test_lr_compensation_scales_only_windows_longer_than_m():
     assert lr_compensation([3, 3], 4, 1.0) == [1.0, 1.0]  # a window shorter than M steps more often: not scaled
 
 
+def test_lr_to_slowest_gives_every_stage_the_longest_windows_rate_per_sample():
+    factors = lr_to_slowest([7, 6, 5, 4])
+    assert factors == [1.0, 6 / 7, 5 / 7, 4 / 7]
+    assert len({f / a for f, a in zip(factors, [7, 6, 5, 4])}) == 1  # lr_s / a_s: the same at every stage
+
+
 def test_adaptive_windows_take_the_high_window_where_the_error_is_high():
     rule = AdaptiveWindows(threshold=0.3)
     assert rule.windows([7, 6, 5, 4], [7, 7, 7, 7], [0.5, 0.2, 0.31, None]) == [7, 6, 7, 4]
@@ -142,7 +148,7 @@ def test_replay_runs_every_candidate_and_adaptive_windows_change_at_drains():
     assert run(Candidate("auto")).curve == engine.curve  # no option set: the engine's look-ahead
     finals = {}
     for c in (Candidate(estimator="moment"), Candidate(estimator="blend"), Candidate(feedback=1.0),
-              Candidate(lr_power=1.0)):
+              Candidate(lr_power=1.0), Candidate(lr_slowest=True)):
         finals[c] = run(c).curve[-1][1]
         assert finals[c] == finals[c] and finals[c] != engine.curve[-1][1]
     adaptive = run(Candidate(adaptive=AdaptiveWindows(every=2, threshold=0.0)))

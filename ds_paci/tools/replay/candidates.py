@@ -16,6 +16,7 @@ they can be measured before anything changes in the engine:
 * ``lr_power``: per-stage learning-rate compensation for windows longer than ``M`` (fewer optimizer
   steps per sample than the stock engine): ``lr_s = lr * (a_s / M) ** lr_power`` where ``a_s > M``
   (:func:`lr_compensation`);
+* ``lr_slowest``: the opposite, ``lr_s = lr * a_s / max(a)`` (:func:`lr_to_slowest`);
 * ``adaptive``: an :class:`AdaptiveWindows` rule that moves each stage between two window sets at drains,
   from its measured prediction error.
 
@@ -43,6 +44,7 @@ class Candidate:
     estimator: str = "window"
     feedback: float = 0.0
     lr_power: float = 0.0
+    lr_slowest: bool = False  # lr_s = lr * a_s / max(a): every stage at the slowest stage's rate per sample
     window: object = "auto"  # the replay's window (see stage_windows); "uniform-max": max of auto's, every stage
     adaptive: object = None  # an AdaptiveWindows, or None
 
@@ -64,6 +66,15 @@ def lr_compensation(windows, micro_batches, power) -> list:
     restores stock's distance per sample, ``0.5`` the square-root rule of batch-size scaling for Adam.
     """
     return [(a / micro_batches) ** power if a > micro_batches else 1.0 for a in windows]
+
+
+def lr_to_slowest(windows) -> list:
+    """Per-stage factors ``a_s / max(a)``: every stage moves as far per sample as the stage with the longest
+    window (with Adam, per-sample distance goes as ``lr / a_s``). The opposite of :func:`lr_compensation`: it
+    slows the stages that step more often instead of speeding up those that step less, as one uniform window
+    ``max(a)`` does, but keeps each stage's window."""
+    top = max(windows)
+    return [a / top for a in windows]
 
 
 def _bias_corrected_first_moment(state, beta1):

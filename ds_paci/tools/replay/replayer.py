@@ -390,6 +390,9 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     if candidate is not None and candidate.lr_power and mode != "sync":
         from .candidates import lr_compensation
         scales = [x * f for x, f in zip(scales, lr_compensation(windows, micro_batches, candidate.lr_power))]
+    if candidate is not None and candidate.lr_slowest and mode != "sync":
+        from .candidates import lr_to_slowest
+        scales = [x * f for x, f in zip(scales, lr_to_slowest(windows))]
     scheduler = _scheduler_factory(schedule, steps, warmup, cos_min_ratio)
     parts = [torch.nn.Sequential(*list(model)[lo:hi]) for lo, hi in stage_slices(model, stages)]
     pipe = _Pipeline([_Stage(part, stages, s, windows[s], micro_batches, optimizer, lr * scales[s], betas, weight_decay, restore,

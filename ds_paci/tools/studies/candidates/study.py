@@ -20,7 +20,9 @@ Candidates (:data:`CANDIDATES`): ``stock``; ``auto`` (today's look-ahead and win
 largest of ``"auto"``'s windows on every stage); ``ef`` (error feedback), ``moment`` (Nesterov-style
 prediction from Adam's first moment), ``blend`` (the open window plus the moment for the rest), ``lr-sqrt`` /
 ``lr-lin`` (learning-rate compensation for ``a_s > M``), ``adaptive`` (windows between ``"auto"``'s and
-``uniform-max`` from the measured prediction error), each on ``"auto"``'s windows; ``uniform-blend``.
+``uniform-max`` from the measured prediction error), each on ``"auto"``'s windows; ``uniform-blend``;
+``lr-slowest`` (``"auto"``'s windows, every stage's learning rate scaled to the slowest stage's rate per sample,
+``a_s / max(a)``) and ``ef-lr-slowest`` (that with error feedback).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ CANDIDATES = {
     "lr-lin": Candidate("lr-lin", lr_power=1.0),
     "adaptive": Candidate("adaptive", adaptive=AdaptiveWindows()),
     "uniform-blend": Candidate("uniform-blend", estimator="blend", window="uniform-max"),
+    "lr-slowest": Candidate("lr-slowest", lr_slowest=True),
+    "ef-lr-slowest": Candidate("ef-lr-slowest", feedback=1.0, lr_slowest=True),
 }
 
 
