@@ -113,6 +113,15 @@ def test_error_feedback_keeps_the_residual_and_adds_it_to_the_next_prediction():
     with_feedback, without = la.predict_next(1, 4), plain.predict_next(1, 4)
     assert all(torch.allclose(w, x + 0.5 * r, atol=1e-7) for w, x, r in zip(with_feedback, without, residual))
     assert la.errors and la.errors[0] > 0
+    # the next residual is measured against the prediction without feedback (else it random-walks)
+    with la.applied(1, 4):
+        pass
+    before = [p.detach().clone() for p in params]
+    la.before_step()
+    _step(params, opt, aliases, _grads(params, 4))
+    la.after_step()
+    raw = [x - b for x, b in zip(without, before)]
+    assert all(torch.allclose(r, (p - b) - d, atol=1e-7) for r, p, b, d in zip(la.residual, params, before, raw))
 
 
 def test_lr_compensation_scales_only_windows_longer_than_m():

@@ -11,8 +11,8 @@ they can be measured before anything changes in the engine:
   optimizer's momentum, PipeNAG's idea on Adam), ``"blend"`` (what the open window holds plus the
   momentum for the ``a - n`` backward passes still to come: ``G + (a - n)/a * m_hat``);
 * ``feedback``: error feedback on the prediction: after each local step the stage keeps the residual
-  ``r = (theta_next - theta) - delta_pred`` of its last predicted forward, and the next window's predictions
-  add ``feedback * r`` (:class:`CandidateLookAhead`);
+  ``r = (theta_next - theta) - delta_raw`` of its last predicted forward (``delta_raw``: that prediction
+  without feedback), and the next window's predictions add ``feedback * r`` (:class:`CandidateLookAhead`);
 * ``lr_power``: per-stage learning-rate compensation for windows longer than ``M`` (fewer optimizer
   steps per sample than the stock engine): ``lr_s = lr * (a_s / M) ** lr_power`` where ``a_s > M``
   (:func:`lr_compensation`);
@@ -130,8 +130,11 @@ class CandidateLookAhead:
     engine's :class:`~ds_paci.core.lookahead.predict.LookAhead` in the replay: ``applied``, ``before_step``,
     ``after_step``, ``stats``).
 
-    Error feedback: ``residual`` (per aliased tensor) is ``(theta_next - theta) - delta_pred`` of the last
-    crossing forward of the last window that had one; predictions add ``feedback * residual``.
+    Error feedback: ``residual`` (per aliased tensor) is ``(theta_next - theta) - delta_raw`` of the last
+    crossing forward of the last window that had one, ``delta_raw`` its prediction *without* feedback;
+    predictions add ``feedback * residual``. (Measured against the fed-back prediction instead, as error
+    feedback for compression does, the residual obeys ``r_k = e_k - r_{k-1}`` for uncorrelated raw errors
+    ``e_k`` and grew without bound in the replay: prediction errors of 20-150x the step.)
     Prediction error (every window with crossing forwards): ``sqrt(mean_j ||pred_j - theta_next||^2) /
     ||theta_next - theta||`` over the window's crossing forwards, as the engine's telemetry (all elements).
     """
@@ -148,29 +151,39 @@ class CandidateLookAhead:
         self.residual = None
         self.predicted_forwards = 0
         self.errors = []  # per window with crossing forwards
-        self._deltas = []  # predicted deltas of the open window's crossing forwards
+        self._deltas = []  # predicted deltas of the open window's crossing forwards (feedback included)
+        self._raw_last = None  # the last one without feedback: what the residual is measured against
         self._before = None
+
+    @torch.no_grad()
+    def _raw_next(self, window_fill, window):
+        """The prediction without error feedback (new tensors; unpredicted ones: a copy)."""
+        out = []
+        for param, alias, group in self.entries:
+            state = self.optimizer.state.get(alias, {})
+            g = window_gradient_estimate(self.candidate.estimator, param.grad, state, group["betas"][0],
+                                         window_fill, window)
+            out.append(alias.clone() if g is None else adam_next(alias, g, state, group))
+        return out
+
+    def _with_feedback(self, raw):
+        if self.residual is None or not self.candidate.feedback:
+            return raw
+        return [r.add(res, alpha=self.candidate.feedback) for r, res in zip(raw, self.residual)]
 
     @torch.no_grad()
     def predict_next(self, window_fill, window):
         """Predicted next weights (new tensors, one per aliased tensor; unpredicted ones: a copy)."""
-        out = []
-        beta = self.candidate.estimator
-        for k, (param, alias, group) in enumerate(self.entries):
-            state = self.optimizer.state.get(alias, {})
-            g = window_gradient_estimate(beta, param.grad, state, group["betas"][0], window_fill, window)
-            pred = alias.clone() if g is None else adam_next(alias, g, state, group)
-            if self.residual is not None and self.candidate.feedback:
-                pred.add_(self.residual[k], alpha=self.candidate.feedback)
-            out.append(pred)
-        return out
+        return self._with_feedback(self._raw_next(window_fill, window))
 
     @contextlib.contextmanager
     def applied(self, window_fill, window):
-        preds = self.predict_next(window_fill, window)
+        raw = self._raw_next(window_fill, window)
+        preds = self._with_feedback(raw)
         with torch.no_grad():
             saved = [alias.clone() for _, alias, _ in self.entries]
             self._deltas.append([p - s for p, s in zip(preds, saved)])
+            self._raw_last = [r - s for r, s in zip(raw, saved)]
             for (_, alias, _), pred in zip(self.entries, preds):
                 alias.copy_(pred)
         try:
@@ -195,9 +208,10 @@ class CandidateLookAhead:
                              for deltas in self._deltas) / len(self._deltas)
                 self.errors.append(math.sqrt(err_sq / actual_sq))
             if self.candidate.feedback:
-                self.residual = [a - d for a, d in zip(actual, self._deltas[-1])]
+                self.residual = [a - d for a, d in zip(actual, self._raw_last)]
         self._before = None
         self._deltas = []
+        self._raw_last = None
 
     def recent_error(self, last=8):
         """Mean prediction error of the last ``last`` windows measured (``None`` before any)."""
