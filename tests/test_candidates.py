@@ -162,3 +162,13 @@ def test_replay_runs_every_candidate_and_adaptive_windows_change_at_drains():
         assert finals[c] == finals[c] and finals[c] != engine.curve[-1][1]
     adaptive = run(Candidate(adaptive=AdaptiveWindows(every=2, threshold=0.0)))
     assert engine.windows == [3, 2, 2, 2] and adaptive.windows == [3, 3, 3, 2]  # stage 3 has no crossing forward
+
+
+def test_plateau_finds_where_a_run_stalls_while_stock_trains():
+    from ds_paci.tools.studies.candidates.study import plateau
+    stock = [(0, 5.5), (50, 2.83), (100, 2.69), (150, 2.62), (200, 2.57), (250, 2.55), (300, 2.52)]
+    auto = [(0, 5.5), (50, 3.30), (100, 3.30), (150, 3.296), (200, 3.295), (250, 3.289), (300, 3.07)]
+    assert plateau(auto, stock) == (50, 250)
+    assert plateau(stock, stock) is None
+    close = [(s, x * 1.05) for s, x in stock]  # above stock but training: no plateau
+    assert plateau(close, stock) is None

@@ -20,7 +20,7 @@ Candidates (:data:`CANDIDATES`): ``stock``; ``auto`` (today's look-ahead and win
 largest of ``"auto"``'s windows on every stage); ``ef`` (error feedback), ``moment`` (Nesterov-style
 prediction from Adam's first moment), ``blend`` (the open window plus the moment for the rest), ``lr-sqrt`` /
 ``lr-lin`` (learning-rate compensation for ``a_s > M``), ``adaptive`` (windows between ``"auto"``'s and
-``uniform-max`` from the measured prediction error), each on ``"auto"``'s windows; ``uniform-blend``;
+``uniform-max`` from the measured prediction error), each on ``"auto"``'s windows (``ef-half``: feedback 0.5); ``uniform-blend``;
 ``lr-slowest`` (``"auto"``'s windows, every stage's learning rate scaled to the slowest stage's rate per sample,
 ``a_s / max(a)``) and ``ef-lr-slowest`` (that with error feedback).
 """
@@ -79,6 +79,7 @@ CANDIDATES = {
     "auto": Candidate("auto"),
     "uniform-max": Candidate("uniform-max", window="uniform-max"),
     "ef": Candidate("ef", feedback=1.0),
+    "ef-half": Candidate("ef-half", feedback=0.5),
     "moment": Candidate("moment", estimator="moment"),
     "blend": Candidate("blend", estimator="blend"),
     "lr-sqrt": Candidate("lr-sqrt", lr_power=0.5),
@@ -124,15 +125,22 @@ def _path(out, cell_name, name, steps, default_steps):
     return os.path.join(out, cell_name, f"{tag}.json")
 
 
-def plateau(curve, stock_curve, margin=0.10) -> bool:
-    """Whether a run sits on a plateau where stock trains: at its last two validations the loss is more than
-    ``margin`` (relative) above stock's at the same step and fell less than 1% between them."""
+def plateau(curve, stock_curve, margin=0.10):
+    """The validation steps ``(first, last)`` of the longest stretch where a run sits on a plateau while stock
+    trains, or ``None``: consecutive validations (after step 0) at which the run is more than ``margin``
+    (relative) above stock's loss at the same step and fell less than 1% since the previous one."""
     stock = dict(stock_curve)
-    tail = [(s, x) for s, x in curve if s in stock][-2:]
-    if len(tail) < 2:
-        return False
-    (_, a), (s, b) = tail
-    return b > stock[s] * (1 + margin) and (a - b) < 0.01 * a
+    points = [(s, x) for s, x in curve if s in stock and s > 0]
+    flat = [s for (_, a), (s, b) in zip(points, points[1:]) if b > stock[s] * (1 + margin) and (a - b) < 0.01 * a]
+    best, run = None, []
+    steps = [s for s, _ in points]
+    for s in flat:
+        run = run + [s] if run and steps.index(s) == steps.index(run[-1]) + 1 else [s]
+        if best is None or len(run) > len(best):
+            best = list(run)
+    if best is None:
+        return None
+    return (steps[steps.index(best[0]) - 1], best[-1])
 
 
 def write_table(out, cells, names, steps_of) -> str:
@@ -157,7 +165,8 @@ def write_table(out, cells, names, steps_of) -> str:
                 cols.append(f"{r['final']:.4f}")
             else:
                 pct = 100 * (r["final"] / stock["final"] - 1)
-                flag = " **plateau**" if plateau(r["curve"], stock["curve"]) else ""
+                flat = plateau(r["curve"], stock["curve"])
+                flag = f" **plateau {flat[0]}-{flat[1]}**" if flat else ""
                 cols.append(f"{r['final']:.4f} ({pct:+.1f}%){flag}")
         lines.append(f"| {cell_name} | {steps} | " + " | ".join(cols) + " |")
     text = "\n".join(lines) + "\n"
