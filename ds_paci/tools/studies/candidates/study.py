@@ -14,7 +14,7 @@ Cells (:data:`CELLS`):
   ``eval_batch`` does; seeds 1234/7; the look-ahead restores by copy, the engine's default);
 * ``sweep-P4M2`` / ``sweep-P8M4``: the sweep's M = P/2 cells at stock's best learning rate 3e-3
   (:data:`ds_paci.tools.studies.quality.grid.MODEL`, 240 calls, validations without draining, as the sweep;
-  restore by recompute, as the sweep), first seed; ``...-s2``: second seed.
+  restore by recompute, as the sweep), first seed; ``...-s2``: second seed; ``sweep-P16M8``: P = 16 (120 calls).
 
 Candidates (:data:`CANDIDATES`): ``stock``; ``auto`` (today's look-ahead and window); ``uniform-max`` (the
 largest of ``"auto"``'s windows on every stage); ``ef`` (error feedback), ``moment`` (Nesterov-style
@@ -70,6 +70,7 @@ CELLS = {
     "unseen-lr6.67e-4": lambda: _unseen(6.67e-4),
     "sweep-P4M2": lambda: _sweep(4),
     "sweep-P8M4": lambda: _sweep(8),
+    "sweep-P16M8": lambda: _sweep(16),
     "sweep-P4M2-s2": lambda: _sweep(4, (4321, 8)),
     "sweep-P8M4-s2": lambda: _sweep(8, (4321, 8)),
 }
