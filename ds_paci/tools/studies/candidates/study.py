@@ -11,7 +11,7 @@ Cells (:data:`CELLS`):
 * ``unseen-lr2e-3`` / ``unseen-lr6.67e-4``: the issue's model the rules were not chosen on (8 stages of one
   GPT-2 block of width 64, 4 heads, byte tokens, sequence 64, micro-batch 4, M = 4, AdamW betas (0.9, 0.999),
   constant learning rate, 300 calls, validation every 50 calls on 16 micro-batches, draining first as
-  ``eval_batch`` does; seeds 1234/7; the look-ahead restores by copy, the engine's default);
+  ``eval_batch`` does; seeds 1234/7, ``-s2``: 4321/8; the look-ahead restores by copy, the engine's default);
 * ``sweep-P4M2`` / ``sweep-P8M4``: the sweep's M = P/2 cells at stock's best learning rate 3e-3
   (:data:`ds_paci.tools.studies.quality.grid.MODEL`, 240 calls, validations without draining, as the sweep;
   restore by recompute, as the sweep), first seed; ``...-s2``: second seed; ``sweep-P16M8``: P = 16 (120 calls).
@@ -55,8 +55,8 @@ class Cell:
     restore: str
 
 
-def _unseen(lr):
-    return Cell(8, 4, lr, 300, 64, 4, 64, 4, 16, 1234, 7, 50, True, "copy")
+def _unseen(lr, seeds=(1234, 7)):
+    return Cell(8, 4, lr, 300, 64, 4, 64, 4, 16, seeds[0], seeds[1], 50, True, "copy")
 
 
 def _sweep(P, seeds=(1234, 7)):
@@ -68,6 +68,7 @@ def _sweep(P, seeds=(1234, 7)):
 CELLS = {
     "unseen-lr2e-3": lambda: _unseen(2e-3),
     "unseen-lr6.67e-4": lambda: _unseen(6.67e-4),
+    "unseen-lr2e-3-s2": lambda: _unseen(2e-3, (4321, 8)),
     "sweep-P4M2": lambda: _sweep(4),
     "sweep-P8M4": lambda: _sweep(8),
     "sweep-P16M8": lambda: _sweep(16),
