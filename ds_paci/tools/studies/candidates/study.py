@@ -145,6 +145,13 @@ def plateau(curve, stock_curve, margin=0.10):
     return (steps[steps.index(best[0]) - 1], best[-1])
 
 
+def _load(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def write_table(out, cells, names, steps_of) -> str:
     """``<out>/table.md``: final loss and % over stock per cell and candidate (runs stored so far)."""
     lines = ["| cell | calls | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
@@ -171,7 +178,24 @@ def write_table(out, cells, names, steps_of) -> str:
                 flag = f" **plateau {flat[0]}-{flat[1]}**" if flat else ""
                 cols.append(f"{r['final']:.4f} ({pct:+.1f}%){flag}")
         lines.append(f"| {cell_name} | {steps} | " + " | ".join(cols) + " |")
+    lines += ["", "| candidate | cells | worst % over stock | cells within 2% | plateaus |", "|---|---|---|---|---|"]
+    for name in names:
+        if name == "stock":
+            continue
+        pcts, flats, within = [], 0, 0
+        for cell_name in cells:
+            steps, default = steps_of(cell_name), CELLS[cell_name]().steps
+            got = [_load(_path(out, cell_name, n, steps, default)) for n in ("stock", name)]
+            if None in got:
+                continue
+            pct = 100 * (got[1]["final"] / got[0]["final"] - 1)
+            pcts.append(pct)
+            within += pct <= 2.0
+            flats += plateau(got[1]["curve"], got[0]["curve"]) is not None
+        if pcts:
+            lines.append(f"| {name} | {len(pcts)} | {max(pcts):+.1f}% | {within} | {flats} |")
     text = "\n".join(lines) + "\n"
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text)
     return text
