@@ -172,3 +172,16 @@ def test_plateau_finds_where_a_run_stalls_while_stock_trains():
     assert plateau(stock, stock) is None
     close = [(s, x * 1.05) for s, x in stock]  # above stock but training: no plateau
     assert plateau(close, stock) is None
+
+
+def test_the_table_reads_the_stored_runs_and_summarises_each_candidate(tmp_path):
+    import json
+    from ds_paci.tools.studies.candidates.study import write_table
+    runs = {"stock": [(0, 5.5), (150, 2.6), (300, 2.5)], "auto": [(0, 5.5), (150, 3.3), (300, 3.29)],
+            "uniform-max": [(0, 5.5), (150, 2.7), (300, 2.525)]}
+    (tmp_path / "unseen-lr2e-3").mkdir()
+    for name, curve in runs.items():
+        (tmp_path / "unseen-lr2e-3" / f"{name}.json").write_text(json.dumps({"curve": curve, "final": curve[-1][1]}))
+    text = write_table(str(tmp_path), ["unseen-lr2e-3"], list(runs), lambda cell: 300)
+    assert "| unseen-lr2e-3 | 300 | 2.5000 | 3.2900 (+31.6%) **plateau 150-300** | 2.5250 (+1.0%) |" in text
+    assert "| auto | 1 | +31.6% | 0 | 1 |" in text and "| uniform-max | 1 | +1.0% | 1 | 0 |" in text
