@@ -11,8 +11,10 @@ with one line naming the marker to add, even when the code under test catches th
 every way of starting a process here goes through: ``subprocess.Popen`` (so ``subprocess.run``, ``check_output``,
 the launchers and :class:`~ds_paci.tools.processes.launched.Launched`), ``multiprocessing``'s ``Process.start``
 (so ``run_world``, pools and ``ProcessPoolExecutor``), ``os.fork``, ``os.system`` and ``os.posix_spawn[p]``.
-So the fast tier starts no process, with one exception that is no test's doing: DeepSpeed's op-compatibility probe
-(a gcc run the first time a process uses ``deepspeed.ops``, whichever test that is).
+So the fast tier starts no process, with two exceptions that are no test's doing, machine probes run once by
+whichever test comes first: DeepSpeed's op-compatibility probe (a gcc run the first time a process uses
+``deepspeed.ops``) and matplotlib's font list (``fc-list``, run while matplotlib builds its font cache on a machine
+that has none).
 
 **Fixtures.** ``repo_root`` (a :class:`~pathlib.Path`), ``free_port`` (a function returning a free TCP port:
 :func:`ds_paci.tools.processes.world.free_port`, the one definition the tools use too) and ``launch_command``
@@ -45,25 +47,28 @@ def unmarked_message(nodeid, what):
 _guarded = None  # the item whose phase is running, when it is not marked `process`; else None
 
 
-def _deepspeed_probe():
-    """True inside DeepSpeed's op-compatibility probe (``op_builder.builder.has_function``): the first use of
-    ``deepspeed.ops`` in a process compiles a tiny C program (gcc) to see which ops the machine supports. Whichever
-    test touches ``deepspeed.ops`` first pays it, so it says nothing about that test; it is let through."""
+# (module, function) of the machine probes let through: whichever test runs first pays them, so they say nothing
+# about that test. DeepSpeed's op-compatibility probe compiles a tiny C program (gcc) the first time a process uses
+# ``deepspeed.ops``; matplotlib lists the machine's fonts (fc-list) when it builds its font cache, once per machine
+# (a fresh CI machine has no cache: which test imports pyplot first depends on the workers' order).
+PROBES = {("deepspeed.ops.op_builder.builder", "has_function"),
+          ("matplotlib.font_manager", "_get_fontconfig_fonts")}
+
+
+def _machine_probe():
+    """True inside one of :data:`PROBES`."""
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code.co_name == "has_function" and frame.f_globals.get("__name__") == PROBE_MODULE:
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) in PROBES:
             return True
         frame = frame.f_back
     return False
 
 
-PROBE_MODULE = "deepspeed.ops.op_builder.builder"
-
-
 def guard_check(what):
     """Called by every patched entry point before a process starts: refuses while an unmarked test runs."""
     item = _guarded
-    if item is None or _deepspeed_probe():
+    if item is None or _machine_probe():
         return
     line = unmarked_message(item.nodeid, what)
     item.stash.setdefault(_VIOLATIONS, []).append(line)

@@ -172,6 +172,16 @@ CASES = [
      "receive-then-send order deadlocks in the same model",
      ["tests/test_tied_faults.py::test_the_exchange_order_cannot_deadlock_under_nccl",
       "tests/test_tied_faults.py::test_pending_tied_sends_stay_bounded_over_50_local_steps_without_a_drain"]),
+    ("Hangs", "NCCL communicators created lazily, and the order of the whole program on NCCL",
+     "every rank's transfers, collectives and host waits derived from the lowered program (P = 2-8, M = 1-16, windows "
+     "1-2P and auto, tied, 2 replicas, eval/save/closing drains, sync mode; DeepSpeed's TrainSchedule) run in "
+     "`tests/nccl_model.py` with per-pair or per-group streams and eager or lazy communicators",
+     "no deadlock and every transfer meets its own; without the start-up exchange the last stage's first tied "
+     "receive deadlocks against stage 0's local step when communicators are lazy; real engines make the exchange "
+     "and train bit-identically",
+     ["tests/test_nccl_order.py::test_the_whole_program_cannot_deadlock_under_nccl",
+      "tests/test_nccl_order.py::test_lazy_tied_communicators_deadlocked_without_the_start_up_exchange",
+      "tests/test_first_exchange.py::test_every_group_gets_its_first_exchange_and_training_is_unchanged"]),
     ("Hangs", "a collective spanning stages inside a local step (a DeepSpeed newer than the newest tested)",
      "`BF16_Optimizer` handed the pipeline's own grid back (its norm all-reduce spans both stages), with the check "
      "forced by `DS_PACI_CHECK_COLLECTIVES=1`; the same check on the real first local step of torch.optim, "

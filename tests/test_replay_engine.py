@@ -2,7 +2,8 @@
 
 Per depth one world runs a few engines one after the other (``ds_paci.tools.replay.check``): with and
 without the look-ahead, ``a = M`` and ``a != M`` (drift 2 where ``a < P-1``, partial windows stepped at
-the drains before each validation), and DeepSpeed's stock engine at P = 2. The replay of each spec must
+the drains before each validation), the ``"diagonal"`` step phase (partial first windows, forwards that predict
+from them), and DeepSpeed's stock engine at P = 2. The replay of each spec must
 give the same per-call losses (the engine's return value on the last stage), the same validation losses
 and the same final weights, every bit: the sweep in ``docs/results/quality.md`` runs on the replay.
 """
@@ -14,10 +15,13 @@ from ds_paci.tools.replay.check import CheckSpec, compare, replay_run, run_engin
 pytestmark = pytest.mark.process  # every test here starts processes (tests/conftest.py)
 
 CASES = {
-    2: [CheckSpec(2, 2, "stock"), CheckSpec(2, 2, "paci"), CheckSpec(2, 2, "lookahead", window=3)],
-    4: [CheckSpec(4, 2, "paci"), CheckSpec(4, 2, "lookahead", window="auto")],
+    2: [CheckSpec(2, 2, "stock"), CheckSpec(2, 2, "paci"), CheckSpec(2, 2, "lookahead", window=3),
+        CheckSpec(2, 2, "lookahead", window=3, step_phase="diagonal")],
+    4: [CheckSpec(4, 2, "paci"), CheckSpec(4, 2, "lookahead", window="auto"),
+        CheckSpec(4, 4, "lookahead", window=3, step_phase="diagonal")],
     8: [CheckSpec(8, 4, "lookahead", window=4, steps=5, eval_every=2),
-        CheckSpec(8, 4, "paci", window="auto", steps=5, eval_every=2)],
+        CheckSpec(8, 4, "paci", window="auto", steps=5, eval_every=2),
+        CheckSpec(8, 4, "lookahead", window=4, steps=5, eval_every=2, step_phase="diagonal")],
 }
 
 
@@ -28,7 +32,7 @@ def test_the_replay_reproduces_the_engine_bit_for_bit(stages, tmp_path):
     for spec, engine in zip(specs, engines):
         replayed = replay_run(spec)
         gap = compare(engine, replayed)
-        where = f"P={spec.stages} M={spec.micro_batches} {spec.mode} window={spec.window}"
+        where = f"P={spec.stages} M={spec.micro_batches} {spec.mode} window={spec.window} {spec.step_phase}"
         assert gap["windows"]["engine"] == gap["windows"]["replay"], where
         assert len(engine["call_losses"]) == spec.steps and engine["call_losses"][-1] is not None, where
         assert gap["call_losses_identical"], f"{where}: per-call losses differ by {gap['call_loss_gap']}"

@@ -113,3 +113,26 @@ def test_every_entry_point_is_guarded_in_this_session(request):
     violations = request.node.stash[conftest._VIOLATIONS]
     assert len(violations) == len(attempts) and all(request.node.nodeid in v for v in violations)
     del request.node.stash[conftest._VIOLATIONS]
+
+
+def test_matplotlibs_font_list_is_let_through_and_nothing_else_from_matplotlib(pytester, tmp_path):
+    """A fresh machine has no matplotlib font cache: whichever test imports pyplot first runs ``fc-list`` inside
+    ``matplotlib.font_manager._get_fontconfig_fonts``. That probe is the machine's, not the test's, so the guard
+    lets it through; a process started from elsewhere in the same test still fails it."""
+    body = '''
+import subprocess, sys
+from matplotlib import font_manager
+
+def test_font_list():
+    font_manager._get_fontconfig_fonts.cache_clear()
+    assert isinstance(font_manager._get_fontconfig_fonts(), list)
+
+def test_font_list_then_popen():
+    font_manager._get_fontconfig_fonts.cache_clear()
+    font_manager._get_fontconfig_fonts()
+    subprocess.run([sys.executable, "-c", "pass"])
+'''
+    result, _ = _inner(pytester, tmp_path, body)
+    result.assert_outcomes(passed=1, failed=1)
+    assert conftest.unmarked_message("test_inner.py::test_font_list_then_popen", "subprocess.Popen") in \
+        result.stdout.str()

@@ -10,7 +10,7 @@ import ds_paci
 from contract_workers import poison_loss
 from mlp import mlp_pipeline, regression_batches
 from spy import group_token, record_distributed_calls
-from workers import (MICRO, MicroBatchIterator, ds_config, record_tied_digests, shakespeare_tokens, stage_of_rank,
+from workers import (MICRO, SEQ, MicroBatchIterator, ds_config, record_tied_digests, shakespeare_tokens, stage_of_rank,
                      stage_weights, tied_state, tiny_gpt)
 
 
@@ -152,3 +152,33 @@ def tied_sends_without_drain(rank, stages, gas, window, calls):
     order = [(c.op, c.peer) for c in calls_made if c.op in ("isend", "irecv") and c.group in tokens]
     return {"alive": alive, "alive_after_drain": len(sent), "order": order, "rank": engine.global_rank,
             "lag": engine.paci_stats()["tied"]["lag_windows"], "version": engine.weight_version}
+
+
+def first_exchange_training(rank, stages, gas, window, batches):
+    """The tied tiny GPT trained twice from the same init and data: with the start-up exchange and with it left out
+    (``first_exchange.run`` replaced by a no-op: the engine before issue 27); what each engine's exchange did, the
+    transfers its construction issued on every group, the losses and the tied state after the drain."""
+    from ds_paci.core.engine import pipeline_engine
+    real = pipeline_engine.first_exchange.run
+    out = {}
+    for name in ("with", "without"):
+        if name == "without":
+            pipeline_engine.first_exchange.run = lambda items, me, device: {"pairs": 0, "collectives": 0, "groups": 0}
+        try:
+            model = tiny_gpt(stages, tie=True)
+            paci = {"enabled": True, "watchdog_seconds": 120}
+            if window:
+                paci["accumulation_window"] = window
+            cfg = ds_config(gas, paci)
+            with record_distributed_calls() as built:
+                engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        finally:
+            pipeline_engine.first_exchange.run = real
+        data = MicroBatchIterator(shakespeare_tokens(), MICRO, SEQ, seed=5, dp_rank=engine.grid.data_parallel_id,
+                                  dp_size=engine.grid.data_parallel_size)
+        losses = [float(engine.train_batch(data)) for _ in range(batches)]
+        losses.append(float(engine.drain()))
+        out[name] = {"exchange": engine.paci_stats()["first_exchange"], "built": built, "losses": losses,
+                     "tied": tied_state(engine), "stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
+                     "owner": bool(engine._tied is not None and engine._tied.exchanges)}
+    return out

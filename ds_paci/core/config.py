@@ -7,10 +7,12 @@ Example (JSON)::
         "accumulation_window": 8,
         "lookahead": true,
         "drain_every_batch": false,
+        "step_phase": "aligned",
         "watchdog_seconds": 300,
         "max_consecutive_skips": 5,
         "trace": false,
-        "check_tied_copies": false
+        "check_tied_copies": false,
+        "overlap_reduce": true
     }
 
 Keys (every one optional):
@@ -48,6 +50,16 @@ Keys (every one optional):
     fp32 master weights.
 ``drain_every_batch`` (bool, default false)
     Sync mode: drain after every ``train_batch``. Reproduces the stock engine exactly.
+``step_phase`` (``"aligned"`` or ``"diagonal"``; default :data:`DEFAULT_STEP_PHASE` in async mode, ``"aligned"``
+    in sync mode and with tied layers on several stages, which refuse ``"diagonal"``)
+    Where each stage's local steps fall (:mod:`ds_paci.core.program.stream`, "Step phase"). ``"aligned"``: every
+    stage steps after its ``a``-th, ``2a``-th, ... backward pass; the stages' steps (and their data-parallel
+    reduces) then run one after another along the gradient path. ``"diagonal"``: stage ``s`` steps after its
+    ``c``-th backward pass with ``c = s (mod a)`` (a partial first window of ``s mod a`` micro-batches), so the
+    steps of all stages run at the same time: across nodes the reduce costs about ``r / a`` per micro-batch instead
+    of ``min(P, a) r / a``. Same drift bound; the partial first window is stepped as a closing drain steps one.
+    A checkpoint saved with an open window resumes only under the phase it was saved with (one line says so);
+    one whose windows are closed resumes under either.
 ``watchdog_seconds`` (0, or a finite number >= 1; default 300; 0 turns it off)
     A stage that waits longer than this inside one instruction prints where it is
     stuck (rank, stage, instruction, tick) and aborts, instead of hanging.
@@ -64,6 +76,17 @@ Keys (every one optional):
     after loading a checkpoint, the owning stages compare digests of their copies (weights and
     optimizer state) point to point and raise if any bit differs. A debugging aid (it hashes the
     tied parameters and their optimizer state at every drain); the tests turn it on.
+
+``overlap_reduce`` (bool, default true)
+    Async mode with data-parallel replicas: the window's last backward pass (``B7[dp]`` in the program)
+    all-reduces the gradients in buckets as they become final (asynchronous, from post-accumulate-grad
+    hooks), and the local step waits for them instead of reducing (:mod:`ds_paci.core.step.overlap`).
+    Bit-identical to the reduce at the step with two replicas; with more, equal up to the order of each
+    element's sum (fp32 rounding); replicas always identical. fp32 optimizers without ZeRO only: with
+    ``BF16_Optimizer`` or ZeRO-1 the reduce stays at the step and one start-up line says so. ``false``:
+    DeepSpeed's reduce at each local step.
+``overlap_bucket_elements`` (int >= 1, default 4194304)
+    Gradient elements per bucket of the overlapped reduce.
 
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
 names the key, the value and what is allowed. ``ds_paci.initialize`` and
@@ -104,6 +127,14 @@ class PACIConfig:
     check_tied_copies: bool = False
     lookahead: bool = True
     lookahead_restore: str = "copy"
+    overlap_reduce: bool = True
+    overlap_bucket_elements: int = 1 << 22
+    step_phase: Optional[str] = None  # None: DEFAULT_STEP_PHASE in async mode, "aligned" in sync mode
+
+    def phase_rule(self, stock_step, tied=False):
+        """The step phase a run uses: ``"aligned"`` in sync mode (``stock_step``) and where tied layers span stages
+        (``tied``: the tied exchange's lag assumes it), else the key or the default."""
+        return "aligned" if stock_step or tied else (self.step_phase or DEFAULT_STEP_PHASE)
 
     def window(self, gradient_accumulation_steps, stages=1, stage=None):
         """The accumulation window ``a`` of stage ``stage`` for ``M = gradient_accumulation_steps`` on ``stages``
@@ -114,6 +145,10 @@ class PACIConfig:
 
 
 AUTO = "auto"
+STEP_PHASES = ("aligned", "diagonal")  # ds_paci.core.program.stream.STEP_PHASES (config imports no program module)
+#: The async step phase when the key is absent. "aligned" until the quality spot cells show "diagonal" holds
+#: (docs/results/scale.md, "Coinciding local steps").
+DEFAULT_STEP_PHASE = "aligned"
 
 
 def auto_window(stages, micro_batches, stage=None):
@@ -155,6 +190,9 @@ _KEYS = {
     "check_tied_copies": "true or false",
     "lookahead": "true or false",
     "lookahead_restore": "\"copy\" or \"recompute\"",
+    "step_phase": "\"aligned\" or \"diagonal\"",
+    "overlap_reduce": "true or false",
+    "overlap_bucket_elements": "an integer >= 1",
 }
 
 
@@ -183,7 +221,8 @@ def parse_paci_section(section):
         return PACIConfigError(f'"paci.{key}" = {value!r} is not allowed; use {_KEYS[key]}')
 
     kw = {"enabled": True}
-    for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies", "lookahead"):
+    for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies", "lookahead",
+                "overlap_reduce"):
         if key in section:
             if not _is_bool(section[key]):
                 raise bad(key, section[key])
@@ -214,6 +253,16 @@ def parse_paci_section(section):
         if r not in ("copy", "recompute"):
             raise bad("lookahead_restore", r)
         kw["lookahead_restore"] = r
+    if "step_phase" in section:
+        phase = section["step_phase"]
+        if phase is not None and phase not in STEP_PHASES:
+            raise bad("step_phase", phase)
+        kw["step_phase"] = phase
+    if "overlap_bucket_elements" in section:
+        n = section["overlap_bucket_elements"]
+        if not _is_int(n) or n < 1:
+            raise bad("overlap_bucket_elements", n)
+        kw["overlap_bucket_elements"] = n
     return PACIConfig(**kw)
 
 
@@ -304,6 +353,18 @@ def check_accumulation_window(window, gradient_accumulation_steps):
                               f'use at most {limit} (for a larger effective batch raise gradient_accumulation_steps)')
 
 
+def check_step_phase(paci, gradient_accumulation_steps):
+    """Refuse ``"step_phase": "diagonal"`` in sync mode (``drain_every_batch`` with the window ``M``: the stock
+    engine's step at the end of every call, which has no phase). Pure."""
+    if paci.step_phase != "diagonal" or not paci.drain_every_batch:
+        return
+    window = paci.accumulation_window
+    if window is None or window == gradient_accumulation_steps:  # ("auto" resolves later; stock then aligns)
+        raise PACIConfigError('"paci.step_phase" = "diagonal" is not allowed with "drain_every_batch": true and the '
+                              'window M (sync mode is the stock engine: every stage steps at the end of the call); '
+                              'remove "step_phase" or "drain_every_batch"')
+
+
 def check_config(ds_config, paci=None):
     """Every check of a DeepSpeed config that needs no model and no process group; returns the ``PACIConfig``.
 
@@ -322,6 +383,7 @@ def check_config(ds_config, paci=None):
     if paci.enabled:
         check_fp16(ds_config)
         check_accumulation_window(paci.accumulation_window, ds_config.get("gradient_accumulation_steps"))
+        check_step_phase(paci, ds_config.get("gradient_accumulation_steps"))
         reason = compat.refusal(ds_config)  # what the installed DeepSpeed version cannot do under PACI
         if reason:
             raise PACIConfigError(reason)
@@ -352,6 +414,13 @@ def validate_run(ds_config, model, paci):
         tied = tied_arrangement_problem(ds_config, model)
         if tied:
             raise PACIConfigError(tied)
+        if paci.step_phase == "diagonal":
+            from .tied.layout import tied_owner_stages
+            owners = tied_owner_stages(model)
+            if owners:
+                raise PACIConfigError(f'"paci.step_phase" = "diagonal" is not allowed with tied layers {sorted(owners)} '
+                                      'on several stages (their exchange lag assumes aligned steps); remove '
+                                      '"step_phase" or use "aligned"')
     return copy.deepcopy(ds_config)
 
 

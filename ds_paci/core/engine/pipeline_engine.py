@@ -6,7 +6,8 @@ Contract (see also ``docs``/README):
   persistent 1F1B stream (``M = gradient_accumulation_steps``). Nothing is flushed;
   micro-batches of this call may still be in flight when it returns. Each stage
   applies its own optimizer step after every ``a``-th local backward
-  (``a = paci.accumulation_window``, default ``M``). No collective spanning two
+  (``a = paci.accumulation_window``, default ``M``), at the place its step phase says
+  (``paci.step_phase``: ``"aligned"`` or ``"diagonal"``, :mod:`ds_paci.core.program.stream`). No collective spanning two
   stages runs: the only cross-stage traffic is the pipeline's own point-to-point
   transfers. Data-parallel replicas of a stage reduce gradients among themselves
   at each local step.
@@ -92,14 +93,17 @@ from .losses import CallLosses
 from .feed import MicroBatchFeed
 from ..step.guard import PACINonFiniteError, SkipCounter
 from ..step.local_step import clipping_policy, guarded_step, make_stage_local, step_lr
+from ..step.overlap import armed_for, dp_reduce, make_overlap
 from ..lookahead.predict import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
+from . import first_exchange
 from .monitor import LastStageMonitor
 from ..program.passes import lower_call
 from ..program.actions import Kind, format_action
-from ..program.stream import PACIStream, drift_bound
+from ..program.stream import PACIStream, drift_bound, step_phase
 from .stage_context import StageContext
-from .startup import announce, watch_open_window
+from .stage_stats import stage_stats
+from .startup import announce, say, watch_open_window
 from .telemetry import StageTelemetry
 from ..tied.weights import TiedWeights
 from ..tied.layout import tied_owner_stages
@@ -142,7 +146,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         window = self._configured_window()
         # Sync mode with a = M is DeepSpeed's engine: its norms, clipping and step at the end of the call.
         self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
-        self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches)
+        self._step_phase = self.paci.phase_rule(self._stock_step, tied=bool(tied_owner_stages(self.module)))
+        self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches,
+                                  step_phase(self._step_phase, self.stage_id, window))
         ds.reserve_pipe_buffers(self, self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
         compat.adapt_engine(self, stock=self._stock_step)  # what differs between DeepSpeed versions
@@ -163,7 +169,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         ds.set_step_applied(self, True)  # False only once a step was actually skipped
         self._last_loss = None  # (loss tensor, origin call) most recently returned
         self._loss_fresh = False
-        self._channel = LossChannel(*pipeline_groups(self.grid), self.stage_id)
+        loss_group = pipeline_groups(self.grid)  # its channel posts receives: built after the first exchange below
         self._watchdog = Watchdog(self.paci.watchdog_seconds, self._describe_rank, _describe_instruction,
                                   explain=self._explain_wait)
         # what the tied exchange and the look-ahead may use of this engine (they never see the engine itself)
@@ -172,6 +178,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                                  ticks_emitted=lambda: self._stream.ticks_emitted,
                                  window=lambda: self._stream.window)
         self._tied = self._ctx.tied = TiedWeights.create(self._ctx)  # every rank: it creates process groups
+        # a first transfer on every group this rank talks on: no NCCL communicator is created lazily mid-stream
+        self._first_exchange = first_exchange.run_for(self, loss_group)
+        self._channel = LossChannel(*loss_group, self.stage_id)
         # A newer DeepSpeed may reach a global group inside an optimizer step: check the first local step once.
         reason = None if self._stock_step else check_reason()
         self._collective_guard = None if reason is None else StageCollectiveGuard(self, reason)
@@ -182,6 +191,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         if self.monitor.enabled and self.is_last_stage() and self.grid.data_parallel_id == 0:
             self._loss_monitor = LastStageMonitor(ds.monitor_config(self))
         announce(self)  # rank 0: PACI on, per-stage windows and drift bounds, look-ahead, clipping; advice
+        self._overlap = make_overlap(self, self.paci, self._stock_step, say)  # DP reduce under the last backward
         self._open_window = watch_open_window(self)  # warns if collected or at exit with gradients never applied
 
     def _configured_window(self):
@@ -282,7 +292,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
             window = self.micro_batches if self._stock_step else self._configured_window()
             self.telemetry.window = window
             self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window)
-        self._stream.set_micro_batches(self.micro_batches, window)
+        phase = step_phase(self._step_phase, self.stage_id, window or self._stream.window)
+        self._stream.set_micro_batches(self.micro_batches, window, phase)
 
     def reset_activation_shape(self):
         if hasattr(self, "_stream") and not self.is_drained:
@@ -309,28 +320,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         return ds.global_grad_norm(self)
 
     def paci_stats(self):
-        """This stage's telemetry: version, local steps, drift, stream position, skips, drains, loss age."""
-        stats = self.telemetry.summary()
-        origin = None if self._last_loss is None else self._last_loss[1]
-        stats.update(in_flight=self._stream.in_flight(),
-                     ticks=self._stream.ticks_emitted,
-                     next_micro_batch=self._stream.next_micro_batch(),
-                     train_batch_calls=self._calls,
-                     loss_calls=self._loss_calls,
-                     drains=self._drains,
-                     skipped_steps=self._skips.total,
-                     window_fill=self._stream.window_fill,
-                     lr_steps=self._stream.lr_count,
-                     global_steps=self.global_steps,
-                     collective_check=None if self._collective_guard is None else self._collective_guard.summary(),
-                     consecutive_skips=self._skips.consecutive,
-                     max_consecutive_skips=self._skips.limit,
-                     grad_norm=None if ds.global_grad_norm(self) is None else float(ds.global_grad_norm(self)),
-                     loss_origin_call=origin,
-                     loss_age=None if origin is None else self._loss_calls - origin,
-                     tied=None if self._tied is None else self._tied.stats(),
-                     lookahead=self._lookahead.stats() if self._lookahead is not None else {"enabled": False})
-        return stats
+        """This stage's telemetry: version, local steps, drift, stream position, skips, drains, loss age
+        (:func:`ds_paci.core.engine.stage_stats.stage_stats` lists every key)."""
+        return stage_stats(self)
 
     def paci_trace(self):
         """Per-instruction records ``{rank, stage, instr, start, end}`` (empty unless ``paci.trace`` is on)."""
@@ -354,7 +346,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         tied = None
         if self._tied is not None and self._tied.exchanges and not self._stock_step:
             tied = (self._tied.pending_windows(), self._tied.lag)
-        return lower_call(ticks, drain_ticks, sync_steps=self._stock_step, tied=tied, carry=carry)
+        return lower_call(ticks, drain_ticks, sync_steps=self._stock_step, tied=tied, carry=carry,
+                          overlap_reduce=self._overlap is not None)
 
     def _run_call(self, ticks, drain_ticks=None, carry=False):
         first_tick = self._stream.ticks_emitted - len(ticks) - len(drain_ticks or [])
@@ -420,7 +413,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         self.telemetry.forward(buffer_id)
         if self._lookahead is not None and cmd.crosses_step:
             # this micro-batch's backward comes after the next local step: forward on the predicted next weights
-            with self._lookahead.applied(cmd.window_fill, self._stream.window):
+            with self._lookahead.applied(cmd.window_fill, cmd.open_window or self._stream.window):
                 ds.exec_forward_pass(self, buffer_id)
         else:
             ds.exec_forward_pass(self, buffer_id)
@@ -431,7 +424,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
             factor = compat.last_stage_loss_factor(self.micro_batches, self._stream.window)
             if factor != 1.0:
                 ds.set_stage_loss(self, ds.stage_loss(self) * factor)
-        ds.exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
+        with armed_for(self._overlap, cmd):  # B[dp]: the window's buckets reduce as they become final
+            ds.exec_backward_pass(self, cmd.micro_batch % self._stream.nbuf)
 
     def _exec_local_accumulate(self, cmd):
         self.telemetry.accumulate(cmd.micro_batch % self._stream.nbuf, cmd.micro_batch)
@@ -457,9 +451,9 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                 ds.exec_reduce_tied_grads(self)
             ds.exec_reduce_grads(self)
         elif self._tied is not None:
-            self._tied.reduce_grads(version)  # DP reduce plus the tied-gradient exchange
+            self._tied.reduce_grads(version, lambda: dp_reduce(self, self._overlap))  # DP reduce, tied exchange
         else:
-            ds.exec_reduce_grads(self)  # DP group of this stage only
+            dp_reduce(self, self._overlap)  # DP group of this stage only (waits for the overlapped buckets)
         if self._aliases is not None:
             self._aliases.bind_grads()
         if self._stock_step:

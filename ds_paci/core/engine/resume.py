@@ -121,6 +121,13 @@ def _layout_problem(engine, folder, saved):
         return (f"checkpoint {folder} was saved with an open accumulation window ({fill} of {window} backward "
                 f"passes) on stage {engine.stage_id}; this run's window is {engine.accumulation_window} there: resume "
                 f"with accumulation window {window} (\"auto\": the same M), {_CLOSE_FIX}")
+    phase = int(stream.get("phase", 0))  # states saved before the step phase existed are aligned
+    if fill and phase != engine._stream.phase:
+        # Catching up would need a window of more than a micro-batches or a step the saving run never takes.
+        return (f"checkpoint {folder} was saved with an open accumulation window on stage {engine.stage_id} under "
+                f"step phase {phase} (\"paci.step_phase\" {'aligned' if phase == 0 else 'diagonal'}); this run's "
+                f"phase there is {engine._stream.phase} (\"{engine._step_phase}\"): resume with the saving run's "
+                f"\"step_phase\", {_CLOSE_FIX}")
     return None
 
 

@@ -115,6 +115,9 @@ def announce(engine):
     for line in startup_lines(engine.paci, engine.num_stages, engine.micro_batches, windows, look, engine._clipping,
                               compat.describe(), tied):
         say(line)
+    if engine._step_phase == "diagonal":
+        say("ds_paci: step phase diagonal (stage s steps after its c-th backward pass with c = s mod a, a partial first "
+            f"window; phases {[s % a for s, a in enumerate(windows)]})")
 
 
 # -- a "paci" section reaching the stock engine ---------------------------------------------------------------------

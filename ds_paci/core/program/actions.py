@@ -11,6 +11,7 @@ Vocabulary (:class:`Kind`; its value is the text code)::
     L7   load micro-batch 7             F7   forward 7          B7   backward 7
     SA7  send activation of 7           RA7  receive activation of 7
     SG7  send gradient of 7             RG7  receive gradient of 7
+    B7[dp] backward 7, the window's last before its step: the data-parallel reduce runs under it
     ACC7 gradient of 7 joins the open window
     STEP3 local step producing weight version 3 (DeepSpeed's OptimizerStep in stock programs)
     TPOST3 a tied owner posts its window-3 tied gradient to the other owners
@@ -21,7 +22,11 @@ Facts, in brackets after the code, only where the action has them:
 
 * forward: ``F7[1,x]``: one backward pass was already in the stage's open window (``window_fill``) and a
   local step falls between this forward and its backward (``crosses_step``, ``x``; ``-`` when not);
-  the look-ahead predicts for exactly those forwards.
+  the look-ahead predicts for exactly those forwards. ``F7[0,x,w3]``: the open window is a partial one that
+  closes after 3 backward passes (``open_window``; present only where it differs from the stage's window ``a``:
+  the first window of a stage whose step phase is not 0, :mod:`ds_paci.core.program.stream`).
+* backward: ``B7[dp]``: the data-parallel reduce of the window overlaps this backward (``reduce_overlap``;
+  :func:`ds_paci.core.program.passes.mark_reduce_backward`, ``"paci": {"overlap_reduce": true}``).
 * step: ``STEP3[lr2]``: the LR scheduler steps twice right after it (``lr_steps``; omitted when 1);
   ``STEP3[lr1,drain]``: a tied owner's last step of a segment, run after the drain (``in_drain``).
 * tied: ``TPOST3[L1]`` / ``TAPPLY2[L1]``: the exchange's lag ``L``; ``TAPPLY1+2[L1,all]``: the closing
@@ -80,8 +85,9 @@ class Action:
 
     ``micro_batch``: the global micro-batch id (micro-batch kinds). ``version``: the weight version a
     ``STEP`` produces, the window a ``TIED_POST`` posts. ``windows``: the windows a ``TIED_APPLY`` applies.
-    The rest are the facts the engine acts on: ``window_fill`` and ``crosses_step`` (forward), ``lr_steps``
-    and ``in_drain`` (step), ``lag`` and ``apply_all`` (tied).
+    The rest are the facts the engine acts on: ``window_fill``, ``crosses_step`` and ``open_window`` (forward; the
+    last only for a partial window, ``None`` otherwise), ``lr_steps`` and ``in_drain`` (step), ``lag`` and
+    ``apply_all`` (tied), ``reduce_overlap`` (backward).
     """
 
     stage: int
@@ -91,10 +97,12 @@ class Action:
     windows: Tuple[int, ...] = ()
     window_fill: Optional[int] = None
     crosses_step: Optional[bool] = None
+    open_window: Optional[int] = None
     lr_steps: int = 1
     in_drain: bool = False
     lag: Optional[int] = None
     apply_all: bool = False
+    reduce_overlap: bool = False
 
     def __post_init__(self):
         kind = self.kind
@@ -109,6 +117,10 @@ class Action:
         if (self.window_fill is None) != (self.crosses_step is None) or (self.window_fill is not None
                                                                          and kind is not Kind.FORWARD):
             raise ValueError("window_fill and crosses_step go together, on forwards only")
+        if self.open_window is not None and (self.window_fill is None or self.open_window < 1):
+            raise ValueError(f"open_window needs the forward's window facts and >= 1, got {self.open_window!r}")
+        if self.reduce_overlap and kind is not Kind.BACKWARD:
+            raise ValueError("reduce_overlap marks a backward only")
 
     def with_(self, **changes):
         """A copy with ``changes`` (actions are immutable)."""
@@ -143,6 +155,10 @@ def format_action(action, facts=True):
         return f"{kind.value}{number}"
     if action.window_fill is not None:
         facts += [str(action.window_fill), "x" if action.crosses_step else "-"]
+        if action.open_window is not None:
+            facts.append(f"w{action.open_window}")
+    if action.reduce_overlap:
+        facts.append("dp")
     if kind is Kind.STEP:
         if action.lr_steps != 1:
             facts.append(f"lr{action.lr_steps}")
@@ -179,12 +195,18 @@ def parse_action(text, stage):
         raise ValueError(f"not an action: {text!r} (bad number {number!r})") from None
     items = facts.split(",") if facts else []
     if kind is Kind.FORWARD and items:
-        if len(items) != 2 or not items[0].isdigit() or items[1] not in ("x", "-"):
-            raise ValueError(f"not an action: {text!r} (a forward's facts are [window_fill,x|-])")
+        if (len(items) not in (2, 3) or not items[0].isdigit() or items[1] not in ("x", "-")
+                or (len(items) == 3 and not re.fullmatch(r"w[1-9]\d*", items[2]))):
+            raise ValueError(f"not an action: {text!r} (a forward's facts are [window_fill,x|-] or "
+                             "[window_fill,x|-,w<open window>])")
         fields.update(window_fill=int(items[0]), crosses_step=items[1] == "x")
+        if len(items) == 3:
+            fields["open_window"] = int(items[2][1:])
         items = []
     for item in items:
-        if kind is Kind.STEP and re.fullmatch(r"lr\d+", item):
+        if kind is Kind.BACKWARD and item == "dp":
+            fields["reduce_overlap"] = True
+        elif kind is Kind.STEP and re.fullmatch(r"lr\d+", item):
             fields["lr_steps"] = int(item[2:])
         elif kind in (Kind.STEP, Kind.TIED_POST, Kind.TIED_APPLY) and item == "drain":
             fields["in_drain"] = True

@@ -17,11 +17,16 @@ that executes. Each pass is a pure function from ticks to new ticks (actions are
   runs the post and the apply inside the local step that follows them (after the step's data-parallel
   reduce, where the gradient is final), and refuses to run if its own bookkeeping of pending windows
   disagrees with the program's.
+* :func:`mark_reduce_backward` (``"paci": {"overlap_reduce": true}``, where supported): the last ``BACKWARD``
+  before each ``STEP`` (with no other ``STEP`` between them) is marked ``reduce_overlap`` (``B7[dp]``): the
+  engine runs the data-parallel reduce of that window under it (:mod:`ds_paci.core.step.overlap`). A step with
+  no backward before it in the call (a closing drain of a window whose backwards ran in earlier calls) reduces
+  at the step, as without the overlap. Runs last, so it sees the steps where the other passes put them.
 """
 
 from .actions import Action, Kind
 
-__all__ = ["defer_steps", "defer_tied_last_step", "add_tied_exchange", "lower_call"]
+__all__ = ["defer_steps", "defer_tied_last_step", "add_tied_exchange", "mark_reduce_backward", "lower_call"]
 
 
 def defer_steps(ticks):
@@ -82,12 +87,29 @@ def add_tied_exchange(ticks, pending, lag, carry):
     return out
 
 
-def lower_call(ticks, drain_ticks=None, *, sync_steps=False, tied=None, carry=False):
+def mark_reduce_backward(ticks):
+    """The last ``BACKWARD`` before each ``STEP`` marked ``reduce_overlap`` (see the module docstring)."""
+    out = [list(tick) for tick in ticks]
+    last = None  # (tick, index) of the latest backward since the last step
+    for t, tick in enumerate(out):
+        for n, a in enumerate(tick):
+            if a.kind is Kind.BACKWARD:
+                last = (t, n)
+            elif a.kind is Kind.STEP:
+                if last is not None:
+                    lt, ln = last
+                    out[lt][ln] = out[lt][ln].with_(reduce_overlap=True)
+                last = None
+    return out
+
+
+def lower_call(ticks, drain_ticks=None, *, sync_steps=False, tied=None, carry=False, overlap_reduce=False):
     """One call's program for one stage: the stream's ``ticks`` (``advance``), then ``drain_ticks`` if the call
     drains, with the passes the stage needs.
 
     ``sync_steps``: :func:`defer_steps` over the whole call. ``tied``: ``(pending, lag)`` on a tied owner in
     async mode: :func:`defer_tied_last_step` over the drain, then :func:`add_tied_exchange` over the call.
+    ``overlap_reduce``: :func:`mark_reduce_backward` last.
     """
     drain_ticks = list(drain_ticks or [])
     if tied is not None and drain_ticks:
@@ -98,4 +120,6 @@ def lower_call(ticks, drain_ticks=None, *, sync_steps=False, tied=None, carry=Fa
     if tied is not None:
         pending, lag = tied
         program = add_tied_exchange(program, pending, lag, carry)
+    if overlap_reduce:
+        program = mark_reduce_backward(program)
     return program

@@ -39,6 +39,25 @@ micro-batches; a PACI stage brings its scheduler, at each local step, to
 have taken so far (kept across a change of ``M``: :meth:`PACIStream.set_micro_batches`).
 With ``a = M`` that is one scheduler step per local step.
 
+**Step phase** (``"paci": {"step_phase": ...}``). A stage's *phase* ``phi`` (``0 <= phi < a``) moves its local
+steps: its first window (and the first after every closing drain) is a partial one of ``phi`` backward passes
+when ``phi > 0``, every later one has ``a``; so the stage steps after its ``c``-th backward of a segment family
+exactly when ``c = phi (mod a)``. ``"aligned"`` is ``phi = 0`` on every stage (every stage steps after the
+backward of segment-local micro-batch ``k*a - 1``). ``"diagonal"`` is ``phi_s = s mod a``: stage ``s`` steps after
+the backward of micro-batch ``m = k*a + s - 1``, at tick ``2m + 2P - s - 1``. Why that makes the steps of all
+stages coincide: stage ``s`` sends the gradient of ``m`` (to ``s-1``) only after its step, and ``s-1`` needs it for
+its backward of ``m``, which in the diagonal comes *after* ``s-1``'s own step (that one follows its backward of
+``m-1``); and ``s``'s step follows nothing of ``s-1`` later than ``s-1``'s forward of ``m + P-1-s``, which comes
+before ``s-1``'s step. So no step waits for another one of its wave: the ``P`` steps (and the data-parallel
+reduces inside them) run at the same time, where ``"aligned"`` chains them along the gradient path (stage
+``s+1``'s step delays the gradient ``s`` needs before its own step), ``min(P, a)`` of them one after another.
+:func:`ds_paci.core.program.reduce_ticks.step_ticks` measures this on a program. The partial first window counts
+only its real micro-batches in the LR rule, and its gradient is what the engine does with any partial window: the
+sum of its backward passes' gradients, each scaled by ``1/a`` (as a closing drain steps one). The drift bound is
+unchanged: within a segment consecutive steps are ``a`` backward passes apart and the first comes at most ``a``
+after the segment's start, so ``n`` consecutive backward passes hold at most ``ceil(n/a)`` steps. Forwards in a
+partial window carry its size (``open_window``) for the look-ahead.
+
 Text form: :mod:`ds_paci.core.program.actions` (``L7``, ``F7[0,x]``, ``B7``, ``SA7``, ``RG7``,
 ``ACC7``, ``STEP3``; a tick joined by ``,``, a stream by `` | ``).
 
@@ -52,8 +71,12 @@ import math
 from .actions import Action, Kind, format_stage, parse_stage
 
 __all__ = [
-    "PACIStream", "num_buffers", "buffer_of", "drift_bound", "crosses_local_step", "format_stream", "parse_stream"
+    "PACIStream", "num_buffers", "buffer_of", "drift_bound", "crosses_local_step", "format_stream", "parse_stream",
+    "STEP_PHASES", "step_phase"
 ]
+
+#: The values of ``"paci": {"step_phase": ...}`` (see the module docstring).
+STEP_PHASES = ("aligned", "diagonal")
 
 format_stream = format_stage  # one stage's ticks as text (see ds_paci.core.program.actions)
 parse_stream = parse_stage  # (text, stage) -> ticks
@@ -67,6 +90,15 @@ def num_buffers(stages, stage_id):
 def buffer_of(stages, stage_id, micro_batch):
     """The activation buffer of ``micro_batch`` at stage ``stage_id`` (micro-batches rotate through them)."""
     return micro_batch % num_buffers(stages, stage_id)
+
+
+def step_phase(rule, stage_id, window):
+    """Stage ``stage_id``'s phase under ``rule`` (one of :data:`STEP_PHASES`): ``0`` aligned, ``s mod a`` diagonal."""
+    if rule == "aligned":
+        return 0
+    if rule == "diagonal":
+        return stage_id % window
+    raise ValueError(f"unknown step phase {rule!r}; use one of {', '.join(STEP_PHASES)}")
 
 
 def drift_bound(stages, stage_id, window):
@@ -98,17 +130,22 @@ class PACIStream:
             ``a``-th backward pass of this stage.
         micro_batches: ``M``, the micro-batches of one ``train_batch`` call: the unit of
             the learning-rate rule (``Action.lr_steps``). Default: ``window``.
+        phase: ``0 <= phase < window`` (:func:`step_phase`): the first window (and the first after each closing
+            drain) closes after ``phase`` backward passes when ``phase > 0``.
 
     State advances only through :meth:`advance` and :meth:`drain`, which return the
     ticks to execute. Every stage of a pipeline must be advanced by the same tick
     counts, in the same order, so their point-to-point transfers pair up.
     """
 
-    def __init__(self, stages, stage_id, window, micro_batches=None):
+    def __init__(self, stages, stage_id, window, micro_batches=None, phase=0):
         if stages < 1 or not 0 <= stage_id < stages:
             raise ValueError(f"invalid stage {stage_id} of {stages}")
         if window < 1:
             raise ValueError(f"accumulation window must be >= 1, got {window}")
+        if not 0 <= phase < window:
+            raise ValueError(f"step phase must be in [0, {window}), got {phase}")
+        self.phase = phase
         self.stages = stages
         self.stage_id = stage_id
         self.window = window
@@ -117,6 +154,7 @@ class PACIStream:
         self.segment_tick = 0  # ticks emitted in the current segment
         self.segment_base = 0  # global id of the segment's micro-batch 0
         self.window_fill = 0  # backward passes in the open window (carried across a drain that leaves it open)
+        self.window_target = self.first_window()  # backward passes after which the open window steps
         self.version = 0  # local steps emitted so far
         self.ticks_emitted = 0  # over all segments
         self.lr_count = 0  # LR-scheduler steps emitted so far (sum of the STEPs' lr_steps)
@@ -124,6 +162,10 @@ class PACIStream:
         self._lr_base = 0  # ... and lr_count at that change
 
     # -- queries -------------------------------------------------------------------
+    def first_window(self):
+        """Size of the first window of a segment family (the start, and after a closing drain): the phase, or ``a``."""
+        return self.phase or self.window
+
     def loaded(self):
         """Micro-batches stage 0 has loaded in the current segment (the drain's limit)."""
         return (self.segment_tick + 1) // 2
@@ -167,8 +209,10 @@ class PACIStream:
             if valid(m):
                 # Known now, from the stream: backward passes already in the open window, and whether a local
                 # step will fall between this forward and its backward (the look-ahead predicts for those).
+                target = self.window_target
                 cmds.append(Action(s, Kind.FORWARD, base + m, window_fill=self.window_fill,
-                                   crosses_step=crosses_local_step(self.window, self.window_fill, min(m, P - 1 - s))))
+                                   crosses_step=crosses_local_step(target, self.window_fill, min(m, P - 1 - s)),
+                                   open_window=None if target == self.window else target))
         else:
             if valid(m) and s < P - 1:
                 cmds.append(Action(s, Kind.RECV_GRAD, base + m))
@@ -178,7 +222,7 @@ class PACIStream:
                 cmds.append(Action(s, Kind.BACKWARD, base + m))
                 cmds.append(Action(s, Kind.ACCUMULATE, base + m))
                 self.window_fill += 1
-                if self.window_fill == self.window:
+                if self.window_fill == self.window_target:
                     cmds.append(self._local_step())
         return cmds
 
@@ -188,25 +232,36 @@ class PACIStream:
         self._applied += self.window_fill
         self.lr_count = target
         self.window_fill = 0
+        self.window_target = self.window
         self.version += 1
         return step
 
-    def set_micro_batches(self, micro_batches, window=None):
-        """A new ``M`` (and window) from the next segment on; the stream must be drained.
+    def set_micro_batches(self, micro_batches, window=None, phase=None):
+        """A new ``M`` (and window, and phase) from the next segment on; the stream must be drained.
 
         The learning-rate rule keeps its count: micro-batches stepped under the old ``M`` count in units of
-        the old ``M``. Changing the window needs a closed window (``drain()``).
+        the old ``M``. Changing the window or the phase needs a closed window (``drain()``); the next window is
+        then the new phase's first.
         """
         if self.segment_tick:
             raise RuntimeError("set_micro_batches() on a stream that is not drained; call drain() first")
         if window is not None and window != self.window and self.window_fill:
             raise RuntimeError(f"cannot change the window from {self.window} to {window} with {self.window_fill} "
                                "backward passes in the open window; drain() (close_window=True) first")
+        new_window = self.window if window is None else window
+        new_phase = self.phase if phase is None else phase
+        if (new_window, new_phase) != (self.window, self.phase):
+            if self.window_fill:
+                raise RuntimeError(f"cannot change the step phase with {self.window_fill} backward passes in the open "
+                                   "window; drain() (close_window=True) first")
+            if not 0 <= new_phase < new_window:
+                raise ValueError(f"step phase must be in [0, {new_window}), got {new_phase}")
         self._lr_base += self._applied // self.micro_batches
         self._applied %= self.micro_batches
         self.micro_batches = micro_batches
-        if window is not None:
-            self.window = window
+        if (new_window, new_phase) != (self.window, self.phase):
+            self.window, self.phase = new_window, new_phase
+            self.window_target = self.first_window()
 
     def advance(self, n_ticks):
         """The next ``n_ticks`` ticks of the unbounded stream (one ``train_batch`` is ``2*M``)."""
@@ -236,6 +291,8 @@ class PACIStream:
                     break
             else:
                 ticks.append([step])
+        if close_window:  # the next segment starts a new family: the phase's partial first window again
+            self.window_target = self.first_window()
         self.ticks_emitted += len(ticks)
         self.segment_base += limit
         self.segment_tick = 0
@@ -248,16 +305,32 @@ class PACIStream:
         return {"next_micro_batch": self.segment_base, "version": self.version, "ticks_emitted": self.ticks_emitted,
                 "window": self.window, "window_fill": self.window_fill, "micro_batches": self.micro_batches,
                 "lr_count": self.lr_count,
-                "applied": self._applied, "lr_base": self._lr_base}
+                "applied": self._applied, "lr_base": self._lr_base,
+                "phase": self.phase, "window_target": self.window_target}
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict`. States written before the learning-rate rule existed (closed windows, one
-        scheduler step per local step) continue with the current ``M`` from the scheduler count they imply."""
+        scheduler step per local step) continue with the current ``M`` from the scheduler count they imply.
+
+        The phase is this stream's own (the run's configuration). A state saved under the same phase and window
+        continues its open window exactly (its size included); one saved under another phase or window (states
+        without a phase were saved aligned) must have a closed window (``ValueError`` otherwise: a resume refuses
+        it before, :mod:`ds_paci.core.engine.resume`) and continues with this phase's first window, so all stages
+        are in the new phase at once (every stage of a drained pipeline has taken the same micro-batches)."""
         self.segment_base = int(state["next_micro_batch"])
         self.version = int(state["version"])
         self.ticks_emitted = int(state.get("ticks_emitted", 0))
         self.segment_tick = 0
         self.window_fill = int(state.get("window_fill", 0))
+        same = (int(state.get("phase", 0)) == self.phase and int(state.get("window", self.window)) == self.window)
+        if same:
+            self.window_target = int(state.get("window_target", self.window))
+        elif self.window_fill:
+            raise ValueError(f"a stream state with an open window ({self.window_fill} backward passes) saved under phase "
+                             f"{state.get('phase', 0)} of window {state.get('window', self.window)} cannot continue "
+                             f"under phase {self.phase} of window {self.window}")
+        else:
+            self.window_target = self.first_window()
         if "lr_count" in state:
             self.micro_batches = int(state["micro_batches"])
             self.lr_count = int(state["lr_count"])

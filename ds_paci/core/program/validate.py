@@ -4,9 +4,10 @@ What runs is what is checked: the engine executes the lowered program (:mod:`ds_
 :func:`validate` reads that same program. Per stage (:func:`stage_violations`): forward before backward
 of every micro-batch, loads only on the first and last stage and before the forward, in-flight
 ``<= P - s``, a local step after exactly every ``window``-th backward of a window (counting the ones a
-segment carries in; a final partial window may close at the end), step versions consecutive, drift
+segment carries in; the segment's first window may be a partial one, the step phase's, of a size the caller
+states; a final partial window may close at the end), step versions consecutive, drift
 ``<= ceil((P-1-s)/window)``, activation buffers never reused while occupied, the forwards' facts
-(``window_fill``, ``crosses_step``) true, a tied post right before its step and no tied window applied
+(``window_fill``, ``crosses_step``, ``open_window``) true, a tied post right before its step and no tied window applied
 before its lag allows. Across stages (:func:`pairing_violations`): sends and receives pair up, in order.
 Tied timing (``tied`` given): :func:`ds_paci.core.program.tied_timing.tied_wait_violations`.
 
@@ -22,8 +23,9 @@ __all__ = ["validate", "stage_violations", "stream_violations", "pairing_violati
 class _StageCheck:
     """The running state of :func:`stage_violations` over one stage's actions."""
 
-    def __init__(self, stages, stage_id, window, start_version, start_fill):
+    def __init__(self, stages, stage_id, window, start_version, start_fill, start_target=None):
         self.stages, self.stage_id, self.window = stages, stage_id, window
+        self.target = window if start_target is None else start_target  # the open window's size
         self.bound = drift_bound(stages, stage_id, window)
         self.fwd_version, self.occupied, self.crossing_tag = {}, {}, {}
         self.done, self.loaded = set(), set()
@@ -53,6 +55,9 @@ class _StageCheck:
         if a.window_fill is not None:
             if a.window_fill != self.fill:
                 self.out.append(f"{where}: tagged window_fill {a.window_fill}, the open window holds {self.fill}")
+            tagged = self.window if a.open_window is None else a.open_window
+            if tagged != self.target:
+                self.out.append(f"{where}: tagged open window {tagged}, the open window closes after {self.target}")
             self.crossing_tag[m] = a.crosses_step
         if len(self.fwd_version) > self.stages - self.stage_id:
             self.out.append(f"{where}: {len(self.fwd_version)} in flight > {self.stages - self.stage_id}")
@@ -76,11 +81,12 @@ class _StageCheck:
         if a.version != self.version + 1:
             self.out.append(f"{where}: version {a.version} after {self.version}")
         self.version = a.version
-        if self.fill != self.window and not (last and 0 < self.fill < self.window):
-            self.out.append(f"{where}: step after {self.fill} backwards, window is {self.window}")
+        if self.fill != self.target and not (last and 0 < self.fill < self.target):
+            detail = "" if self.target == self.window else f" (a partial window of {self.target})"
+            self.out.append(f"{where}: step after {self.fill} backwards, window is {self.window}{detail}")
         if self.posted not in (None, a.version):
             self.out.append(f"{where}: the tied window posted before it is {self.posted}")
-        self.fill, self.posted = 0, None
+        self.fill, self.posted, self.target = 0, None, self.window
 
     def tied(self, t, a, next_step):
         where = self.where(t, a)
@@ -100,17 +106,18 @@ def _last_step_index(ticks):
 
 
 def stage_violations(ticks, stages, stage_id, window, expect_drained=True, start_version=0, start_fill=0,
-                     expect_closed=None):
+                     expect_closed=None, start_target=None):
     """Check one segment of one stage's ticks against the PACI contract (see the module docstring).
 
     A segment is what runs between two drains (or from the start); ``start_version`` is the weight version
     it starts at and ``start_fill`` the backward passes already in its open window (a window carried across
-    the drain before it). ``expect_drained``: nothing in flight at the end; ``expect_closed`` (by default
-    ``expect_drained``): no open window at the end.
+    the drain before it). ``start_target``: the size of that open window (default ``window``; the step phase's
+    partial first window: :mod:`ds_paci.core.program.stream`). ``expect_drained``: nothing in flight at the end;
+    ``expect_closed`` (by default ``expect_drained``): no open window at the end.
     """
     if expect_closed is None:
         expect_closed = expect_drained
-    check = _StageCheck(stages, stage_id, window, start_version, start_fill)
+    check = _StageCheck(stages, stage_id, window, start_version, start_fill, start_target)
     flat = [(t, a) for t, tick in enumerate(ticks) for a in tick]
     steps_after = {}  # position -> version of the next STEP
     upcoming = None
@@ -134,8 +141,9 @@ def stage_violations(ticks, stages, stage_id, window, expect_drained=True, start
         elif kind in (Kind.TIED_POST, Kind.TIED_APPLY):
             check.tied(t, a, steps_after[n])
         if n + 1 == len(flat) or flat[n + 1][0] != t:
-            if check.fill > window:
-                check.out.append(f"stage {stage_id} tick {t}: {check.fill} backwards without a step (window {window})")
+            if check.fill > check.target:
+                check.out.append(f"stage {stage_id} tick {t}: {check.fill} backwards without a step (window "
+                                 f"{check.target})")
     if expect_drained and check.fwd_version:
         check.out.append(f"stage {stage_id}: still in flight at the end: {sorted(check.fwd_version)}")
     if expect_closed and check.fill:
@@ -164,19 +172,24 @@ def pairing_violations(program):
 
 
 def validate(program, window, expect_drained=True, start_versions=None, start_fills=None, tied_owners=None,
-             tied_lag=None):
+             tied_lag=None, start_targets=None, phases=None):
     """Every check over one segment of a whole program (``program[s]`` = stage ``s``'s ticks).
 
-    ``window``: ``a`` (one for all stages, or a list per stage); ``start_versions`` / ``start_fills``: per
-    stage, as :func:`stage_violations` takes them; ``tied_owners`` and ``tied_lag``: also check that the
+    ``window``: ``a`` (one for all stages, or a list per stage); ``start_versions`` / ``start_fills`` /
+    ``start_targets``: per stage, as :func:`stage_violations` takes them; ``phases``: per stage, the step phase of a
+    program that starts a segment family (the start, or after a closing drain): its first window's size is the
+    phase, or ``a`` where the phase is 0 (used where ``start_targets`` is not given); ``tied_owners`` and ``tied_lag``: also check that the
     lag makes every tied wait free (:func:`ds_paci.core.program.tied_timing.tied_wait_violations`).
     """
     P = len(program)
     windows = window if isinstance(window, (list, tuple)) else [window] * P
+    if start_targets is None and phases is not None:
+        start_targets = [phase or a for phase, a in zip(phases, windows)]
     out = []
     for s, ticks in enumerate(program):
         out += stage_violations(ticks, P, s, windows[s], expect_drained=expect_drained,
-                                start_version=(start_versions or [0] * P)[s], start_fill=(start_fills or [0] * P)[s])
+                                start_version=(start_versions or [0] * P)[s], start_fill=(start_fills or [0] * P)[s],
+                                start_target=(start_targets or [None] * P)[s])
     out += pairing_violations(program)
     if tied_owners:
         from .tied_timing import tied_wait_violations

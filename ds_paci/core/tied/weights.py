@@ -48,7 +48,10 @@ point-to-point transfers of stages that step at different ticks). The policy her
   its operations at the head of the two streams: no deadlock with one stream per pair or per group.
   ``batch_isend_irecv`` would also do, but its first call on a group must involve all of the
   group's ranks, a collective in all but name; a gloo group would copy the tied gradient to the host
-  at every step. Memory: a send of window ``v`` is matched by the peer's receive posted at its step
+  at every step. Each owner pair's communicator gets its first transfer while the engine is built
+  (:mod:`ds_paci.core.engine.first_exchange`): created lazily at the first post instead, it would block the
+  last stage's host until stage 0 posts, while stage 0 waits for a gradient the last stage sends later.
+  Memory: a send of window ``v`` is matched by the peer's receive posted at its step
   ``v``, which the lag guarantees has happened before this owner's step ``v + L``; there every owner
   waits on its sends of windows ``<= v`` (at once on a completed transfer; gloo frees a send only once
   waited on), so at most ``L + 1`` sends per peer are ever pending.
@@ -298,8 +301,13 @@ class TiedWeights:
         else:
             self._plan.update(apply=action.windows, all=action.apply_all)
 
-    def reduce_grads(self, version):
-        """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it."""
+    def reduce_grads(self, version, dp_reduce=None):
+        """The data-parallel reduce of a local step producing ``version``, with the tied exchange around it.
+
+        ``dp_reduce``: runs the data-parallel reduce (default DeepSpeed's ``ReduceGrads``; the engine's overlapped
+        one waits for the buckets its last backward launched). The tied exchange always follows it."""
+        if dp_reduce is None:
+            dp_reduce = lambda: ds.exec_reduce_grads(self.ctx.engine)  # noqa: E731
         ctx = self.ctx
         plan, self._plan = self._plan, {}
         if self.exchanges and plan.get("post") != version:
@@ -308,7 +316,7 @@ class TiedWeights:
         deferred = plan.get("in_drain", False)  # the last step of a drain, after every owner has posted
         final = plan.get("all", False)  # the step that applies every window not yet applied
         if self.mode != "zero" or not self.exchanges:
-            ds.exec_reduce_grads(ctx.engine)
+            dp_reduce()
         if not self.exchanges:
             return
         stage_finite = self.optimizer.stage_gradient_finite()
@@ -323,7 +331,7 @@ class TiedWeights:
                 offset += p.numel()
             self._reap_sends(ex, version, final, deferred)
         if self.mode == "zero":
-            ds.exec_reduce_grads(ctx.engine)
+            dp_reduce()
         self._last_lag = self.lag
 
     def step(self):

@@ -31,7 +31,7 @@ ENGINE_MODES = ("stock", "paci", "lookahead")
 class CheckSpec:
     """One run: ``mode`` ``stock`` (DeepSpeed's engine; the replay's ``sync``), ``paci`` or ``lookahead``.
 
-    ``window``: an int, ``"auto"`` or ``None`` (M). Validation at step 0, every ``eval_every`` steps
+    ``window``: an int, ``"auto"`` or ``None`` (M); ``step_phase``: ``paci.step_phase`` of the PACI modes. Validation at step 0, every ``eval_every`` steps
     (0: only at the end) and at the end, each after a drain (the engine's ``eval_batch``).
     """
 
@@ -50,6 +50,7 @@ class CheckSpec:
     lr: float = 3e-3
     seed: int = 1234
     data_seed: int = 7
+    step_phase: str = "aligned"
 
     def config(self):
         """The DeepSpeed config of the engine run (the benchmark's, :func:`ds_paci.tools.bench.runner.ds_config`)."""
@@ -61,6 +62,7 @@ class CheckSpec:
             config["paci"] = {"enabled": True, "lookahead": self.mode == "lookahead", "watchdog_seconds": 120}
             if self.window is not None:
                 config["paci"]["accumulation_window"] = self.window
+            config["paci"]["step_phase"] = self.step_phase
         return config
 
     def model_config(self):
@@ -168,7 +170,7 @@ def replay_run(spec: CheckSpec) -> dict:
     mode = "sync" if spec.mode == "stock" else spec.mode
     result = replay(model, spec.stages, spec.micro_batches, train_iter, val, spec.steps, mode=mode,
                     window=spec.window, lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0,
-                    evaluation=Evaluation(every=spec.eval_every))
+                    evaluation=Evaluation(every=spec.eval_every), step_phase=spec.step_phase)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"call_losses": result.call_losses, "curve": result.curve, "weights": weights, "windows": result.windows}
 
@@ -205,6 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=ENGINE_MODES, required=True)
     p.add_argument("--window", help="an int or 'auto' (default M)")
     p.add_argument("--lr", type=float, default=CheckSpec.lr)
+    p.add_argument("--step-phase", choices=("aligned", "diagonal"), default=CheckSpec.step_phase)
     p.add_argument("--timeout", type=float, default=1800)
     args = p.parse_args(argv)
     window = None if args.window is None else (args.window if args.window == "auto" else int(args.window))

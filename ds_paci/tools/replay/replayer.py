@@ -57,7 +57,8 @@ from ds_paci.core.step.local_step import ParamAliases
 from ds_paci.core.lookahead.predict import lookahead_for_torch_optimizer
 from ds_paci.core.program.actions import Kind
 from ds_paci.core.program.interpreter import Handler, run_program
-from ds_paci.core.program.stream import PACIStream
+from ds_paci.core.program.stream import STEP_PHASES, PACIStream
+from ds_paci.core.program.stream import step_phase as phase_of
 from ds_paci.workload.gpt2 import Block, gpt2_config, gpt2_reference_model, lm_loss
 
 MODES = ("sync", "paci", "lookahead")
@@ -195,10 +196,10 @@ class _Stage:
     """One stage's layers, optimizers (on ``.data`` aliases), look-aheads, schedulers and stream."""
 
     def __init__(self, part, stages, stage_id, window, micro_batches, optimizer, lr, betas, weight_decay, restore,
-                 scheduler, candidate=None):
+                 scheduler, phase=0, candidate=None):
         self.part = part
         self.window = window
-        self.stream = PACIStream(stages, stage_id, window, micro_batches)
+        self.stream = PACIStream(stages, stage_id, window, micro_batches, phase)
         self.optimizers = make_optimizers(part, optimizer, lr, betas, weight_decay)
         self.aliases = [ParamAliases(opt) for opt in self.optimizers]
         if candidate is not None and candidate.custom_prediction:
@@ -213,11 +214,11 @@ class _Stage:
         self.local_steps = 0
 
     @contextlib.contextmanager
-    def predicted(self, window_fill):
+    def predicted(self, window_fill, open_window=None):
         with contextlib.ExitStack() as stack:
             for la in self.lookaheads:
                 if la is not None:
-                    stack.enter_context(la.applied(window_fill, self.window))
+                    stack.enter_context(la.applied(window_fill, open_window or self.window))
             yield
 
     def local_step(self, lr_steps):
@@ -309,7 +310,7 @@ class _Pipeline:
             self.batches[m] = (x, y) if self.device is None else (x.to(self.device), y.to(self.device))
         elif kind is Kind.FORWARD:
             if self.mode == "lookahead" and action.crosses_step and stage.predicts:
-                with stage.predicted(action.window_fill):
+                with stage.predicted(action.window_fill, action.open_window):
                     self.outputs[(s, m)] = self._forward(s, m)
             else:
                 self.outputs[(s, m)] = self._forward(s, m)
@@ -363,10 +364,11 @@ def validation_loss(model, val_batches, micro_batches, device=None, autocast=Non
 def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="lookahead", window=None, lr=1e-3,
            betas=(0.9, 0.95), weight_decay=0.0, schedule="constant", warmup=20, cos_min_ratio=0.1, eval_every=100,
            restore=None, echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
-           autocast=None, candidate=None) -> ReplayResult:
+           autocast=None, step_phase="aligned", candidate=None) -> ReplayResult:
     """Train ``model`` (an ``nn.Sequential`` of GPT-2 layers) on PACI streams; returns a :class:`ReplayResult`.
 
-    ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`.
+    ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`. ``step_phase``: the
+    engine's ``paci.step_phase`` (``"aligned"`` or ``"diagonal"``; sync mode is always aligned).
     ``evaluation``: an :class:`Evaluation` (default: every ``eval_every`` steps, draining first, as the
     engine). ``lr_scales``: per-stage factors on ``lr`` (default 1). ``optimizer``: ``adamw`` or ``muon``.
     ``restore``: the look-ahead's restore mode (default: the engine's, ``PACIConfig.lookahead_restore``).
@@ -395,9 +397,10 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
         scales = [x * f for x, f in zip(scales, lr_to_slowest(windows))]
     scheduler = _scheduler_factory(schedule, steps, warmup, cos_min_ratio)
     parts = [torch.nn.Sequential(*list(model)[lo:hi]) for lo, hi in stage_slices(model, stages)]
+    rule = "aligned" if mode == "sync" else step_phase
     pipe = _Pipeline([_Stage(part, stages, s, windows[s], micro_batches, optimizer, lr * scales[s], betas, weight_decay, restore,
-                             scheduler, candidate) for s, part in enumerate(parts)], micro_batches, mode, train_iter, device,
-                     autocast)
+                             scheduler, phase_of(rule, s, windows[s]), candidate) for s, part in enumerate(parts)],
+                     micro_batches, mode, train_iter, device, autocast)
 
     def evaluate():
         return validation_loss(model, val_batches, micro_batches, device, autocast)
@@ -456,6 +459,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data-seed", type=int, help="default: the seed for main, 7 for the benchmark jobs")
     p.add_argument("--restore", choices=["recompute", "copy"], default=None, help="default: the engine's")
+    p.add_argument("--step-phase", choices=STEP_PHASES, default="aligned", help="the engine's paci.step_phase")
     args = p.parse_args(argv)
     from ds_paci.workload.data import MicroBatchIterator, eval_micro_batches
     job = JOBS[args.job]
@@ -477,7 +481,8 @@ def main(argv=None) -> int:
     result = replay(model, job.stages, job.micro_batches, train_iter, val_batches, args.steps, mode=args.mode,
                     window=window, lr=args.lr, betas=betas, weight_decay=wd, schedule=job.schedule,
                     warmup=args.warmup, eval_every=args.eval_every or (100 if main_job else 25),
-                    restore=args.restore, echo=lambda line: print(line, file=sys.stderr, flush=True))
+                    restore=args.restore, echo=lambda line: print(line, file=sys.stderr, flush=True),
+                    step_phase=args.step_phase)
     print(json.dumps({"args": vars(args), "curve": result.curve, "final_val_loss": result.curve[-1][1],
                       "local_steps": result.local_steps, "lookahead": result.lookahead}))
     return 0

@@ -3,7 +3,7 @@ published bubble formulas and the comparison rows :mod:`ds_paci.tools.sim.simula
 
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from ds_paci.core.program.stream import PACIStream
+from ds_paci.core.program.stream import PACIStream, step_phase
 
 from .cost import CostModel
 from .tied import add_tied_exchange
@@ -24,14 +24,16 @@ def stock_programs(stages, micro_batches, batches=1):
     return programs
 
 
-def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None):
+def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, phase="aligned"):
     """PACI streams per stage: ``calls`` times ``advance(2*M)`` (one ``train_batch`` each), then ``drain()``.
+
+    ``phase``: the engine's ``paci.step_phase`` (``"aligned"`` or ``"diagonal"``, :mod:`ds_paci.core.program.stream`).
 
     The drain (if any) starts at tick ``2 * micro_batches * calls`` on every stage. ``tied`` (a
     :class:`~ds_paci.tools.sim.tied.TiedExchange`): the program in actions with the tied exchange placed on it
     (:func:`~ds_paci.tools.sim.tied.add_tied_exchange`); without, the streams' ticks as they are.
     """
-    streams = [PACIStream(stages, s, window) for s in range(stages)]
+    streams = [PACIStream(stages, s, window, micro_batches, step_phase(phase, s, window)) for s in range(stages)]
     programs = [[] for _ in range(stages)]
     for _ in range(calls):
         for s, stream in enumerate(streams):
@@ -49,32 +51,34 @@ def simulate_stock(stages, micro_batches, batches=1, cost=None):
     return simulate(stock_programs(stages, micro_batches, batches), cost)
 
 
-def simulate_schedule(schedule, stages, micro_batches, window=None, calls=1, cost=None):
+def simulate_schedule(schedule, stages, micro_batches, window=None, calls=1, cost=None, phase="aligned"):
     """``(result, title)`` of simulating ``schedule`` ("paci" or "stock"), for timelines and reports."""
     if schedule == "paci":
-        result, label = simulate_paci(stages, micro_batches, window, calls, cost), f"PACI a={window or micro_batches}"
+        result = simulate_paci(stages, micro_batches, window, calls, cost, phase)
+        label = f"PACI a={window or micro_batches}" + ("" if phase == "aligned" else f" {phase}")
     else:
         result, label = simulate_stock(stages, micro_batches, calls, cost), "stock 1F1B-flush"
     return result, f"simulated {label}, P={stages}, M={micro_batches}, {calls} calls"
 
 
-def simulate_paci(stages, micro_batches, window=None, calls=1, cost=None):
+def simulate_paci(stages, micro_batches, window=None, calls=1, cost=None, phase="aligned"):
     """:func:`simulate` of :func:`paci_programs` (``window`` defaults to ``micro_batches``), steady state measured."""
     window = window or micro_batches
-    programs = paci_programs(stages, micro_batches, window, calls)
+    programs = paci_programs(stages, micro_batches, window, calls, phase=phase)
     return simulate(programs, cost, drain_tick=2 * micro_batches * calls)
 
 
-def long_run_period(schedule, stages, micro_batches, window=None, calls=4, cost=None):
+def long_run_period(schedule, stages, micro_batches, window=None, calls=4, cost=None, phase="aligned"):
     """Long-run time per micro-batch: ``(makespan(2N) - makespan(N)) / (N*M)`` with ``N = calls``.
 
     The difference of two run lengths cancels the one-off fill and drain, so this is
-    the asymptotic period of an unbounded run. ``schedule`` is ``"paci"`` or ``"stock"``.
+    the asymptotic period of an unbounded run. ``schedule`` is ``"paci"`` or ``"stock"``; ``phase``: PACI's step
+    phase.
     """
 
     def makespan(n):
         if schedule == "paci":
-            result = simulate_paci(stages, micro_batches, window, n, cost)
+            result = simulate_paci(stages, micro_batches, window, n, cost, phase)
         elif schedule == "stock":
             result = simulate_stock(stages, micro_batches, n, cost)
         else:
@@ -139,10 +143,11 @@ def reference_rows(stages, micro_batches, f=1.0):
 # -- comparison table -------------------------------------------------------------------
 
 
-def comparison_rows(stages, micro_batches, window=None, calls=8, cost=None, peers=False, weight_share=0.5):
+def comparison_rows(stages, micro_batches, window=None, calls=8, cost=None, peers=False, weight_share=0.5,
+                    phases=("aligned", )):
     """Rows for one (P, M): stock (DeepSpeed TrainSchedule), PACI, and the formula rows.
 
-    ``peers``: also one row per torch.distributed.pipelining schedule, timed from its own action list
+    ``phases``: one PACI row per step phase. ``peers``: also one row per torch.distributed.pipelining schedule, timed from its own action list
     (:func:`ds_paci.tools.sim.peer_schedules.peer_rows`), with each stage's backward split ``1 - weight_share`` :
     ``weight_share`` into input and weight gradient.
 
@@ -156,9 +161,7 @@ def comparison_rows(stages, micro_batches, window=None, calls=8, cost=None, peer
     window = window or M
     ideal = (M + P - 1) / M
     stock = simulate_stock(P, M, calls, cost).raise_for_errors()
-    paci = simulate_paci(P, M, window, calls, cost).raise_for_errors()
     stock_period = long_run_period("stock", P, M, cost=cost)
-    paci_period = long_run_period("paci", P, M, window, calls, cost)
 
     def sim_row(name, result, period, steady):
         return {
@@ -174,10 +177,12 @@ def comparison_rows(stages, micro_batches, window=None, calls=8, cost=None, peer
             "ideal_ratio": ideal,
         }
 
-    rows = [
-        sim_row("stock 1F1B-flush (DeepSpeed)", stock, stock_period, None),
-        sim_row(f"PACI (a={window}, {calls} calls)", paci, paci_period, paci.steady_state_bubble),
-    ]
+    rows = [sim_row("stock 1F1B-flush (DeepSpeed)", stock, stock_period, None)]
+    for phase in phases:
+        paci = simulate_paci(P, M, window, calls, cost, phase).raise_for_errors()
+        paci_period = long_run_period("paci", P, M, window, calls, cost, phase)
+        name = f"PACI (a={window}, {calls} calls)" if phase == "aligned" else f"PACI {phase} (a={window}, {calls} calls)"
+        rows.append(sim_row(name, paci, paci_period, paci.steady_state_bubble))
     f = cost.forward_time(0)
     one_f1b = (P - 1) / (M + P - 1)
     for ref in reference_rows(P, M, f):

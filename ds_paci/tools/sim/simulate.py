@@ -43,6 +43,8 @@ def _parser():
     p.add_argument("--latency", type=float, default=0.0, help="p2p transfer time")
     p.add_argument("--overhead", type=float, default=0.0, help="per-micro-batch time added to each forward")
     p.add_argument("--step-time", type=float, default=0.0, help="optimizer/local step time")
+    p.add_argument("--step-phase", nargs="+", choices=["aligned", "diagonal"], default=["aligned"],
+                   help="PACI's paci.step_phase: one PACI row each (the timeline: the first)")
     p.add_argument("--peers", action="store_true",
                    help="add torch.distributed.pipelining's schedules, timed from their own action lists")
     p.add_argument("--weight-share", type=float, default=0.5,
@@ -64,14 +66,15 @@ def main(argv=None):
     rows = []
     for P in args.stages:
         for M in args.micro_batches:
-            rows.extend(comparison_rows(P, M, args.window, args.calls, cost, args.peers, args.weight_share))
+            rows.extend(comparison_rows(P, M, args.window, args.calls, cost, args.peers, args.weight_share,
+                                        tuple(args.step_phase)))
     print(markdown_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.timeline or args.chrome or args.png:
         result, title = simulate_schedule(args.schedule, args.stages[0], args.micro_batches[0], args.window, args.calls,
-                                          cost)
+                                          cost, args.step_phase[0])
         if result.deadlock:
             print(result.deadlock, file=sys.stderr)
         records = records_from_sim(result)

@@ -20,7 +20,9 @@ Public contract:
 * PACI and 1F1B-flush run through :func:`ds_paci.tools.sim.simulate.long_run_period` with ``CostModel(links=...)``:
   the very streams the engines execute, transfers blocking both sides as DeepSpeed's are.
 * :func:`rows` / :func:`markdown`: time per micro-batch, throughput relative to 1F1B-flush, and the share of
-  time spent computing, per (P, M, link scenario).
+  time spent computing, per (P, M, link scenario). ``--step-phases aligned diagonal`` adds PACI under the
+  ``"diagonal"`` step phase (``PACI diagonal``; :mod:`ds_paci.core.program.stream`) and prints
+  :func:`phase_markdown`, the PACI phases next to ZB-V.
 """
 
 import argparse
@@ -148,7 +150,7 @@ def zbv_period(ranks, micro_batches, chunk, links=None, steps=2, step=0.0):
 
 # -- the table ------------------------------------------------------------------------------------------
 def rows(stages, micro_batch_factors=(1, 4), scenarios=tuple(SCENARIOS), shape=BlockShape(), flops_per_s=100e12,
-         blocks_per_stage=2, calls=2):
+         blocks_per_stage=2, calls=2, phases=("aligned", )):
     """One row per (P, M, scenario): seconds per micro-batch of 1F1B-flush, PACI and ZB-V, and derived ratios."""
     f = stage_costs(shape, flops_per_s)
     out = []
@@ -159,11 +161,11 @@ def rows(stages, micro_batch_factors=(1, 4), scenarios=tuple(SCENARIOS), shape=B
                 links = link_model(name, shape, blocks_per_stage)
                 cost = CostModel(forward=blocks_per_stage * f, backward=2 * blocks_per_stage * f, links=links)
                 per = blocks_per_stage / 2  # ZB-V: two chunks per rank, each half a stage
-                periods = {
-                    "1F1B-flush": long_run_period("stock", P, M, cost=cost, calls=calls),
-                    "PACI": long_run_period("paci", P, M, M, calls=calls, cost=cost),
-                    "ZB-V": zbv_period(P, M, (per * f, per * f, per * f), links),
-                }
+                periods = {"1F1B-flush": long_run_period("stock", P, M, cost=cost, calls=calls)}
+                for phase in phases:
+                    label = "PACI" if phase == "aligned" else f"PACI {phase}"
+                    periods[label] = long_run_period("paci", P, M, M, calls=calls, cost=cost, phase=phase)
+                periods["ZB-V"] = zbv_period(P, M, (per * f, per * f, per * f), links)
                 compute = 3 * blocks_per_stage * f
                 out.append({"P": P, "M": M, "scenario": name, "period_s": periods,
                             "vs_1f1b": {k: periods["1F1B-flush"] / v for k, v in periods.items()},
@@ -182,6 +184,18 @@ def markdown(table):
     return "\n".join(lines)
 
 
+def phase_markdown(table):
+    """PACI per step phase next to ZB-V: ms per micro-batch and the ratio to ZB-V (ZB-V's time over PACI's)."""
+    names = [k for k in table[0]["period_s"] if k.startswith("PACI")]
+    head = " | ".join(f"{n} ms/mb | {n} / ZB-V" for n in names)
+    lines = [f"| P | M | links | ZB-V ms/mb | {head} |", "|---:|---:|---|---:|" + "---:|---:|" * len(names)]
+    for r in table:
+        p = r["period_s"]
+        cells = " | ".join(f"{1e3 * p[n]:.2f} | {p['ZB-V'] / p[n]:.3f}" for n in names)
+        lines.append(f"| {r['P']} | {r['M']} | {r['scenario']} | {1e3 * p['ZB-V']:.2f} | {cells} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m ds_paci.tools.studies.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=[16, 32, 64])
@@ -189,10 +203,13 @@ def main(argv=None):
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--tflops", type=float, default=100.0, help="device speed (effective TFLOP/s)")
     p.add_argument("--blocks-per-stage", type=int, default=2)
+    p.add_argument("--step-phases", nargs="+", choices=["aligned", "diagonal"], default=["aligned"],
+                   help="PACI's paci.step_phase values to time (more than aligned: the phase table instead)")
     p.add_argument("--out", help="also write the table (markdown) here")
     args = p.parse_args(argv)
-    table = markdown(rows(args.stages, args.micro_batch_factors, args.scenarios, flops_per_s=args.tflops * 1e12,
-                          blocks_per_stage=args.blocks_per_stage))
+    data = rows(args.stages, args.micro_batch_factors, args.scenarios, flops_per_s=args.tflops * 1e12,
+                blocks_per_stage=args.blocks_per_stage, phases=tuple(args.step_phases))
+    table = markdown(data) if args.step_phases == ["aligned"] else phase_markdown(data)
     print(table)
     if args.out:
         with open(args.out, "w") as f:

@@ -14,7 +14,8 @@ __all__ = [
     "call_losses", "additional_losses", "set_additional_losses", "set_train_loss", "stage_loss", "set_stage_loss",
     "zero_fills_missing_gradients", "batch_fn", "pipe_buffers", "checkpoint_engine", "set_checkpoint_engine",
     "engine_mpu", "model_states_file_namer", "layer_specs", "tied_modules", "tied_weight_attrs", "pipe_replicated",
-    "set_pipe_replicated", "grid_topology", "pipe_groups", "stock_instruction_map", "set_engine_instruction_map"
+    "set_pipe_replicated", "grid_topology", "pipe_groups", "stock_instruction_map", "set_engine_instruction_map",
+    "reduce_scaling"
 ]
 
 
@@ -187,6 +188,15 @@ def stage_loss(engine):
 def set_stage_loss(engine, value):
     """Set ``engine.loss`` (read by ``_exec_backward_pass`` on the last stage)."""
     engine.loss = value
+
+
+def reduce_scaling(engine):
+    """How ``DeepSpeedEngine.allreduce_bucket`` scales a data-parallel reduce: ``(average, postscale, predivide,
+    comm_dtype)`` = ``gradient_average``, ``postscale_gradients()``, ``gradient_predivide_factor()`` and
+    ``communication_data_type`` (average and postscale: divide by ``predivide``, sum, multiply by
+    ``predivide / dp``; average without postscale: divide by ``dp``, then sum; no average: sum)."""
+    return (bool(engine.gradient_average), bool(engine.postscale_gradients()), float(engine.gradient_predivide_factor()),
+            engine.communication_data_type)
 
 
 def zero_fills_missing_gradients(engine):

@@ -119,10 +119,12 @@ class SweepRun:
     steps: int  # train_batch calls
     common_steps: int  # the depth's step count: the final loss compared between engines is read here
     optimizer: str = "adamw"
+    step_phase: str = "aligned"  # the engine's paci.step_phase (in the key only when not "aligned")
 
     def key(self) -> str:
+        phase = "" if self.step_phase == "aligned" else f" phase={self.step_phase}"
         return (f"P={self.stages} M={self.micro_batches} engine={self.engine} a={window_label(self.windows)} "
-                f"lr={self.lr:g} seed={self.seed} steps={self.steps} opt={self.optimizer}")
+                f"lr={self.lr:g} seed={self.seed} steps={self.steps} opt={self.optimizer}{phase}")
 
     @property
     def eval_every(self) -> int:
@@ -230,6 +232,23 @@ def muon_runs(stages: int, lr: float) -> list:
         runs.append(make_run(stages, M, "stock", None, lr, SEEDS[0], optimizer="muon"))
         runs.append(make_run(stages, M, "paci", rule_windows(PACI_RULE, stages, M), lr, SEEDS[0], optimizer="muon"))
         runs.append(make_run(stages, M, "lookahead", auto_windows(stages, M), lr, SEEDS[0], optimizer="muon"))
+    return runs
+
+
+#: The spot cells of the step-phase comparison (issue 27): P = 8, M in {4, 8, 16}, both learning rates, first seed.
+PHASE_SPOT = {"stages": 8, "lrs": (3e-3, 1e-3)}
+
+
+def phase_spot_runs() -> list:
+    """PACI + look-ahead with the ``"auto"`` window in the spot cells, ``"aligned"`` and ``"diagonal"`` each, the
+    common step count (a closing drain at the end, as the sweep's runs read their final loss)."""
+    P = PHASE_SPOT["stages"]
+    runs = []
+    for lr in PHASE_SPOT["lrs"]:
+        for M in micro_batch_counts(P):
+            for phase in ("aligned", "diagonal"):
+                run = make_run(P, M, "lookahead", auto_windows(P, M), lr, SEEDS[0])
+                runs.append(dataclasses.replace(run, step_phase=phase))
     return runs
 
 

@@ -46,7 +46,7 @@ def execute(run: SweepRun, model=MODEL) -> dict:
                             drain_at=(run.common_steps, ) if run.steps > run.common_steps else ())
     result = replay(net, run.stages, run.micro_batches, train_iter, val_batches, run.steps, mode=mode,
                     window=list(run.windows), lr=run.lr, betas=model.betas, weight_decay=model.weight_decay,
-                    evaluation=evaluation, optimizer=run.optimizer, restore=RESTORE)
+                    evaluation=evaluation, optimizer=run.optimizer, restore=RESTORE, step_phase=run.step_phase)
     final = dict(result.curve)[run.common_steps]
     errors = [s.get("prediction_error") for s in result.lookahead if isinstance(s, dict)]
     errors = [e for e in errors if e is not None]
