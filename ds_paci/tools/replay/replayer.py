@@ -196,14 +196,19 @@ class _Stage:
     """One stage's layers, optimizers (on ``.data`` aliases), look-aheads, schedulers and stream."""
 
     def __init__(self, part, stages, stage_id, window, micro_batches, optimizer, lr, betas, weight_decay, restore,
-                 scheduler, phase=0):
+                 scheduler, phase=0, candidate=None):
         self.part = part
         self.window = window
         self.stream = PACIStream(stages, stage_id, window, micro_batches, phase)
         self.optimizers = make_optimizers(part, optimizer, lr, betas, weight_decay)
         self.aliases = [ParamAliases(opt) for opt in self.optimizers]
-        self.lookaheads = [lookahead_for_torch_optimizer(opt, alias, restore)
-                           for opt, alias in zip(self.optimizers, self.aliases)]
+        if candidate is not None and candidate.custom_prediction:
+            from .candidates import CandidateLookAhead
+            self.lookaheads = [CandidateLookAhead(opt, alias, candidate)
+                               for opt, alias in zip(self.optimizers, self.aliases)]
+        else:
+            self.lookaheads = [lookahead_for_torch_optimizer(opt, alias, restore)
+                               for opt, alias in zip(self.optimizers, self.aliases)]
         self.predicts = any(la is not None for la in self.lookaheads)
         self.schedulers = [scheduler(opt) for opt in self.optimizers] if scheduler else [None] * len(self.optimizers)
         self.local_steps = 0
@@ -359,7 +364,7 @@ def validation_loss(model, val_batches, micro_batches, device=None, autocast=Non
 def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="lookahead", window=None, lr=1e-3,
            betas=(0.9, 0.95), weight_decay=0.0, schedule="constant", warmup=20, cos_min_ratio=0.1, eval_every=100,
            restore=None, echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
-           autocast=None, step_phase="aligned") -> ReplayResult:
+           autocast=None, step_phase="aligned", candidate=None) -> ReplayResult:
     """Train ``model`` (an ``nn.Sequential`` of GPT-2 layers) on PACI streams; returns a :class:`ReplayResult`.
 
     ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`. ``step_phase``: the
@@ -369,6 +374,9 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     ``restore``: the look-ahead's restore mode (default: the engine's, ``PACIConfig.lookahead_restore``).
     ``device``: where ``model`` lives (batches are moved there); ``autocast``: a dtype to run forwards in
     (``torch.autocast``, e.g. ``torch.bfloat16`` on a GPU; fp32 master weights and optimizer state).
+    ``candidate``: a :class:`~ds_paci.tools.replay.candidates.Candidate` (issue 30's variants: its prediction,
+    learning-rate compensation and adaptive windows; its ``window`` is ignored, pass ``window``); ``None``: the
+    engine's look-ahead.
     Validation loss: :func:`validation_loss` over ``val_batches``.
     """
     if mode not in MODES:
@@ -377,12 +385,22 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     evaluation = evaluation or Evaluation(every=eval_every)
     windows = stage_windows(window, stages, micro_batches)
     scales = list(lr_scales) if lr_scales is not None else [1.0] * stages
+    adaptive = candidate.adaptive if candidate is not None and mode == "lookahead" else None
+    if adaptive is not None:
+        low, high = windows, [max(windows)] * stages
+        windows = list(low if adaptive.start == "low" else high)
+    if candidate is not None and candidate.lr_power and mode != "sync":
+        from .candidates import lr_compensation
+        scales = [x * f for x, f in zip(scales, lr_compensation(windows, micro_batches, candidate.lr_power))]
+    if candidate is not None and candidate.lr_slowest and mode != "sync":
+        from .candidates import lr_to_slowest
+        scales = [x * f for x, f in zip(scales, lr_to_slowest(windows))]
     scheduler = _scheduler_factory(schedule, steps, warmup, cos_min_ratio)
     parts = [torch.nn.Sequential(*list(model)[lo:hi]) for lo, hi in stage_slices(model, stages)]
     rule = "aligned" if mode == "sync" else step_phase
     pipe = _Pipeline([_Stage(part, stages, s, windows[s], micro_batches, optimizer, lr * scales[s], betas, weight_decay, restore,
-                             scheduler, phase_of(rule, s, windows[s])) for s, part in enumerate(parts)], micro_batches,
-                     mode, train_iter, device, autocast)
+                             scheduler, phase_of(rule, s, windows[s]), candidate) for s, part in enumerate(parts)],
+                     micro_batches, mode, train_iter, device, autocast)
 
     def evaluate():
         return validation_loss(model, val_batches, micro_batches, device, autocast)
@@ -394,6 +412,15 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
         if mode == "sync":  # drain_every_batch: inside the call
             pipe.drain(close_window=True)  # a = M: nothing is left open anyway
         call_losses.append(pipe.call_loss())
+        if adaptive is not None and step % adaptive.every == 0 and step < steps:
+            pipe.drain(close_window=True)  # a window can change only when closed (PACIStream.set_micro_batches)
+            pipe.call_loss()
+            errors = [st.lookaheads[0].recent_error() if st.lookaheads[0] is not None else None
+                      for st in pipe.stages]
+            windows = adaptive.windows(low, high, errors)
+            for st, a in zip(pipe.stages, windows):
+                st.stream.set_micro_batches(micro_batches, window=a)
+                st.window = a
         validate = (evaluation.every and step % evaluation.every == 0) or step == steps
         if mode != "sync" and (step == steps or step in evaluation.drain_at or (validate and evaluation.drains)):
             # the engine's drain(): a call of its own, whose loss is not a train_batch's; as eval_batch it

@@ -1,0 +1,232 @@
+"""Issue 30's candidates measured on the hard cells (M < P at stock's best learning rate), one replay at a time.
+
+``python -m ds_paci.tools.studies.candidates --out docs/results/quality-candidates [--cells ...] [--only ...]
+[--steps N]`` runs every (cell, candidate) not yet stored: one JSON file per run,
+``<out>/<cell>/<candidate>.json`` (so a killed study loses only the run in progress), then writes
+``<out>/table.md``. ``--steps`` shortens every cell (the files record the steps; a different count is a
+different run, stored under ``<candidate>@<steps>``).
+
+Cells (:data:`CELLS`):
+
+* ``unseen-lr2e-3`` / ``unseen-lr6.67e-4``: the issue's model the rules were not chosen on (8 stages of one
+  GPT-2 block of width 64, 4 heads, byte tokens, sequence 64, micro-batch 4, M = 4, AdamW betas (0.9, 0.999),
+  constant learning rate, 300 calls, validation every 50 calls on 16 micro-batches, draining first as
+  ``eval_batch`` does; seeds 1234/7, ``-s2``: 4321/8; the look-ahead restores by copy, the engine's default);
+* ``sweep-P4M2`` / ``sweep-P8M4``: the sweep's M = P/2 cells at stock's best learning rate 3e-3
+  (:data:`ds_paci.tools.studies.quality.grid.MODEL`, 240 calls, validations without draining, as the sweep;
+  restore by recompute, as the sweep), first seed; ``...-s2``: second seed; ``sweep-P16M8``: P = 16 (120 calls).
+
+Candidates (:data:`CANDIDATES`): ``stock``; ``auto`` (today's look-ahead and window); ``uniform-max`` (the
+largest of ``"auto"``'s windows on every stage); ``ef`` (error feedback), ``moment`` (Nesterov-style
+prediction from Adam's first moment), ``blend`` (the open window plus the moment for the rest), ``lr-sqrt`` /
+``lr-lin`` (learning-rate compensation for ``a_s > M``), ``adaptive`` (windows between ``"auto"``'s and
+``uniform-max`` from the measured prediction error), each on ``"auto"``'s windows (``ef-half``: feedback 0.5); ``uniform-blend``;
+``lr-slowest`` (``"auto"``'s windows, every stage's learning rate scaled to the slowest stage's rate per sample,
+``a_s / max(a)``) and ``ef-lr-slowest`` (that with error feedback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from ds_paci.tools.replay.candidates import AdaptiveWindows, Candidate
+
+
+@dataclass(frozen=True)
+class Cell:
+    stages: int
+    micro_batches: int
+    lr: float
+    steps: int
+    n_embd: int
+    n_head: int
+    seq_len: int
+    micro_batch_size: int
+    val_micro_batches: int
+    seed: int
+    data_seed: int
+    eval_every: int
+    drains: bool  # validations drain first (eval_batch) or read the current weights (the sweep)
+    restore: str
+
+
+def _unseen(lr, seeds=(1234, 7)):
+    return Cell(8, 4, lr, 300, 64, 4, 64, 4, 16, seeds[0], seeds[1], 50, True, "copy")
+
+
+def _sweep(P, seeds=(1234, 7)):
+    from ds_paci.tools.studies.quality.grid import MODEL, STEPS
+    return Cell(P, P // 2, 3e-3, STEPS[P], MODEL.n_embd, MODEL.n_head, MODEL.seq_len, MODEL.micro_batch_size,
+                MODEL.val_micro_batches, seeds[0], seeds[1], STEPS[P] // 10, False, "recompute")
+
+
+CELLS = {
+    "unseen-lr2e-3": lambda: _unseen(2e-3),
+    "unseen-lr6.67e-4": lambda: _unseen(6.67e-4),
+    "unseen-lr2e-3-s2": lambda: _unseen(2e-3, (4321, 8)),
+    "sweep-P4M2": lambda: _sweep(4),
+    "sweep-P8M4": lambda: _sweep(8),
+    "sweep-P16M8": lambda: _sweep(16),
+    "sweep-P4M2-s2": lambda: _sweep(4, (4321, 8)),
+    "sweep-P8M4-s2": lambda: _sweep(8, (4321, 8)),
+}
+
+CANDIDATES = {
+    "stock": None,
+    "auto": Candidate("auto"),
+    "uniform-max": Candidate("uniform-max", window="uniform-max"),
+    "ef": Candidate("ef", feedback=1.0),
+    "ef-half": Candidate("ef-half", feedback=0.5),
+    "moment": Candidate("moment", estimator="moment"),
+    "blend": Candidate("blend", estimator="blend"),
+    "lr-sqrt": Candidate("lr-sqrt", lr_power=0.5),
+    "lr-lin": Candidate("lr-lin", lr_power=1.0),
+    "adaptive": Candidate("adaptive", adaptive=AdaptiveWindows()),
+    "uniform-blend": Candidate("uniform-blend", estimator="blend", window="uniform-max"),
+    "lr-slowest": Candidate("lr-slowest", lr_slowest=True),
+    "ef-lr-slowest": Candidate("ef-lr-slowest", feedback=1.0, lr_slowest=True),
+}
+
+
+def run_one(cell: Cell, name: str, steps: int) -> dict:
+    """One replay of ``cell`` with candidate ``name``; returns its result dict."""
+    import torch
+
+    from ds_paci.tools.replay.replayer import Evaluation, load_tokens, replay, stage_windows
+    from ds_paci.workload.data import MicroBatchIterator, eval_micro_batches
+    from ds_paci.workload.gpt2 import gpt2_config, gpt2_reference_model
+    torch.set_num_threads(1)
+    train, val, _ = load_tokens("byte", main_split=False)
+    cfg = gpt2_config("tiny", vocab_size=257, n_positions=cell.seq_len, n_embd=cell.n_embd, n_layer=cell.stages,
+                      n_head=cell.n_head)
+    net = gpt2_reference_model(cfg, seed=cell.seed)
+    train_iter = MicroBatchIterator(train, cell.micro_batch_size, cell.seq_len, seed=cell.data_seed)
+    val_batches = eval_micro_batches(val, cell.micro_batch_size, cell.seq_len, count=cell.val_micro_batches)
+    candidate = CANDIDATES[name]
+    mode, window = ("sync", None) if candidate is None else ("lookahead", "auto")
+    if candidate is not None and candidate.window == "uniform-max":
+        window = max(stage_windows("auto", cell.stages, cell.micro_batches))
+    result = replay(net, cell.stages, cell.micro_batches, train_iter, val_batches, steps, mode=mode, window=window,
+                    lr=cell.lr, betas=(0.9, 0.999), weight_decay=0.0,
+                    evaluation=Evaluation(every=cell.eval_every, drains=cell.drains), restore=cell.restore,
+                    candidate=candidate)
+    errors = [s.get("prediction_error") if isinstance(s, dict) else None for s in result.lookahead]
+    return {"candidate": name, "cell": dict(cell.__dict__), "steps": steps, "curve": result.curve,
+            "final": result.curve[-1][1], "local_steps": result.local_steps, "windows": result.windows,
+            "prediction_error": errors, "seconds": round(result.seconds, 1),
+            "loadavg": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _path(out, cell_name, name, steps, default_steps):
+    tag = name if steps == default_steps else f"{name}@{steps}"
+    return os.path.join(out, cell_name, f"{tag}.json")
+
+
+def plateau(curve, stock_curve, margin=0.10):
+    """The validation steps ``(first, last)`` of the longest stretch where a run sits on a plateau while stock
+    trains, or ``None``: consecutive validations (after step 0) at which the run is more than ``margin``
+    (relative) above stock's loss at the same step and fell less than 1% since the previous one."""
+    stock = dict(stock_curve)
+    points = [(s, x) for s, x in curve if s in stock and s > 0]
+    flat = [s for (_, a), (s, b) in zip(points, points[1:]) if b > stock[s] * (1 + margin) and (a - b) < 0.01 * a]
+    best, run = None, []
+    steps = [s for s, _ in points]
+    for s in flat:
+        run = run + [s] if run and steps.index(s) == steps.index(run[-1]) + 1 else [s]
+        if best is None or len(run) > len(best):
+            best = list(run)
+    if best is None:
+        return None
+    return (steps[steps.index(best[0]) - 1], best[-1])
+
+
+def _load(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_table(out, cells, names, steps_of) -> str:
+    """``<out>/table.md``: final loss and % over stock per cell and candidate (runs stored so far)."""
+    lines = ["| cell | calls | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for cell_name in cells:
+        steps = steps_of(cell_name)
+        default = CELLS[cell_name]().steps
+        rows = {}
+        for name in names:
+            path = _path(out, cell_name, name, steps, default)
+            if os.path.exists(path):
+                with open(path) as f:
+                    rows[name] = json.load(f)
+        stock = rows.get("stock")
+        cols = []
+        for name in names:
+            r = rows.get(name)
+            if r is None:
+                cols.append("-")
+            elif stock is None or name == "stock":
+                cols.append(f"{r['final']:.4f}")
+            else:
+                pct = 100 * (r["final"] / stock["final"] - 1)
+                flat = plateau(r["curve"], stock["curve"])
+                flag = f" **plateau {flat[0]}-{flat[1]}**" if flat else ""
+                cols.append(f"{r['final']:.4f} ({pct:+.1f}%){flag}")
+        lines.append(f"| {cell_name} | {steps} | " + " | ".join(cols) + " |")
+    lines += ["", "| candidate | cells | worst % over stock | cells within 2% | plateaus |", "|---|---|---|---|---|"]
+    for name in names:
+        if name == "stock":
+            continue
+        pcts, flats, within = [], 0, 0
+        for cell_name in cells:
+            steps, default = steps_of(cell_name), CELLS[cell_name]().steps
+            got = [_load(_path(out, cell_name, n, steps, default)) for n in ("stock", name)]
+            if None in got:
+                continue
+            pct = 100 * (got[1]["final"] / got[0]["final"] - 1)
+            pcts.append(pct)
+            within += pct <= 2.0
+            flats += plateau(got[1]["curve"], got[0]["curve"]) is not None
+        if pcts:
+            lines.append(f"| {name} | {len(pcts)} | {max(pcts):+.1f}% | {within} | {flats} |")
+    text = "\n".join(lines) + "\n"
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ds_paci.tools.studies.candidates", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="docs/results/quality-candidates")
+    p.add_argument("--cells", nargs="*", default=list(CELLS)[:4], help=f"of {', '.join(CELLS)}")
+    p.add_argument("--only", nargs="*", default=list(CANDIDATES), help=f"of {', '.join(CANDIDATES)}")
+    p.add_argument("--steps", type=int, help="calls per run (default: each cell's)")
+    p.add_argument("--table", action="store_true", help="only write the table of what is stored")
+    args = p.parse_args(argv)
+    bad = [c for c in args.cells if c not in CELLS] + [n for n in args.only if n not in CANDIDATES]
+    if bad:
+        print(f"unknown cell or candidate: {', '.join(bad)}", file=sys.stderr)
+        return 2
+    steps_of = (lambda c: args.steps or CELLS[c]().steps)
+    if not args.table:
+        for cell_name in args.cells:
+            cell = CELLS[cell_name]()
+            for name in args.only:
+                path = _path(args.out, cell_name, name, steps_of(cell_name), cell.steps)
+                if os.path.exists(path):
+                    continue
+                began = time.time()
+                row = run_one(cell, name, steps_of(cell_name))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path + ".tmp", "w") as f:
+                    json.dump(row, f)
+                os.replace(path + ".tmp", path)
+                print(f"{cell_name} {name}: final {row['final']:.4f} ({time.time() - began:.0f} s)", flush=True)
+    print(write_table(args.out, args.cells, args.only, steps_of))
+    return 0
