@@ -1,7 +1,5 @@
 """Per-rank bodies of the overlapped data-parallel reduce tests (issue 27 item 2), run through ``harness.run_world``."""
 
-import time
-
 import torch
 
 import ds_paci
@@ -71,30 +69,6 @@ def marked_program(rank, stages, gas, window, overlap):
     reducer = engine._overlap is not None
     engine.destroy()
     return {"text": text, "marked": marked, "steps": steps, "reducer": reducer}
-
-
-def time_per_step(rank, stages, layers, dim, gas, rounds, calls):
-    """Seconds per ``train_batch`` call, the reduce at the step and overlapped, alternated ``rounds`` times."""
-    from mlp import mlp_pipeline as build
-    engines = {}
-    for overlap in (False, True):
-        model = build(stages, layers=layers, dim=dim)
-        cfg = ds_config(gas, {"enabled": True, "overlap_reduce": overlap, "watchdog_seconds": 300,
-                              "overlap_bucket_elements": dim * dim}, optimizer=False)
-        engine = ds_paci.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
-                                    config=cfg)[0]
-        engines[overlap] = (engine, regression_batches(MICRO, seed=3 + engine.grid.data_parallel_id, dim=dim))
-        engine.train_batch(engines[overlap][1])  # warm-up
-    times = {False: [], True: []}
-    for _ in range(rounds):
-        for overlap in (False, True):
-            engine, data = engines[overlap]
-            start = time.perf_counter()
-            for _ in range(calls):
-                engine.train_batch(data)
-            engine.drain(close_window=False)  # nothing in flight before the other engine runs
-            times[overlap].append((time.perf_counter() - start) / calls)
-    return {"step": times[False], "overlap": times[True]}
 
 
 def fallback_lines(rank):
