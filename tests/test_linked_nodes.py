@@ -2,7 +2,7 @@
 
 Each node is a network namespace; a veth pair limited by ``tc ... tbf`` joins them. A PACI pipeline (2 stages one
 per node, and 2 stages x 2 replicas with each stage's replicas on different nodes) trains across that link over
-gloo and must produce exactly the losses of the same run on this machine's loopback; the link must really be
+gloo and its last stage must produce exactly the losses of the same run on loopback; the link must really be
 limited (a 2 MiB message takes at least what the token bucket lets through); the namespaces must be gone
 afterwards, also when the body fails. Needs root (``ip netns add``); fails with the one-line reason elsewhere, as
 ``tests/test_multinode.py`` does without mount namespaces.
@@ -55,7 +55,12 @@ def test_a_paci_pipeline_across_a_limited_link_equals_loopback(tmp_path, shape):
     for rank, (a, b) in enumerate(zip(across, local)):
         assert a["runs"][0]["engine"] == "PACIPipelineEngine", a["runs"][0]
         assert len(a["runs"][0]["losses"]) == 3 and None not in a["runs"][0]["losses"]
-        assert a["runs"][0]["losses"] == b["runs"][0]["losses"], (rank, a["runs"], b["runs"])  # bit for bit
+        # the last stage's own losses, bit for bit (a first stage returns the newest loss that has reached it over
+        # the side channel: which one depends on the link's timing, so it is not compared)
+        if a["runs"][0]["last_stage"]:
+            assert a["runs"][0]["losses"] == b["runs"][0]["losses"], (rank, a["runs"], b["runs"])
+            assert min(a["runs"][0]["losses"]) > 0, a["runs"][0]["losses"]
+    assert sum(a["runs"][0]["last_stage"] for a in across) == {"pp2": 1, "pp2dp2": 2}[shape]
     # the link is limited: a token bucket passes at most burst + rate * t bytes in t seconds
     size = max(int(k) for k in across[0]["ping_pong"])
     one_way = across[0]["ping_pong"][str(size)]

@@ -123,7 +123,8 @@ def rank_job(args):
             engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(),
                                             config=_config(args, overlay))
             gen = torch.Generator().manual_seed(1)
-            batches = [(torch.randn(args.micro, width, generator=gen),) * 2 for _ in range(args.gas)]
+            # targets half the inputs: the losses and the Scale layers' gradients are not zero
+            batches = [(x, 0.5 * x) for x in (torch.randn(args.micro, width, generator=gen) for _ in range(args.gas))]
             times, losses = [], []
             for i in range(args.warmup + args.batches):
                 data = iter(batches)
@@ -133,7 +134,7 @@ def rank_job(args):
                     times.append(time.perf_counter() - t0)
                 losses.append(None if loss is None else float(loss))
             run = {"variant": name, "round": round_, "seconds_per_batch": times, "losses": losses,
-                   "engine": type(engine).__name__}
+                   "engine": type(engine).__name__, "last_stage": engine.is_last_stage()}
             if "paci" in overlay and overlay["paci"].get("enabled", True):
                 trace = engine.paci_trace()
                 for kind, text in (("ForwardPass", "F"), ("BackwardPass", "B")):  # instruction texts F3, B3
