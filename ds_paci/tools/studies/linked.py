@@ -42,15 +42,16 @@ DEFAULT_VARIANTS = {"stock": {}, "paci": {"paci": {"enabled": True, "lookahead":
 SIZES = [16384, 131072, 524288, 2097152]
 
 
-def ping_pong(rank, peer_of_zero=1, reps=7):
-    """One-way seconds per message size between rank 0 and ``peer_of_zero`` (median of ``reps`` round trips / 2)."""
+def ping_pong(rank, peer_of_zero=1, reps=7, sizes=SIZES, warmup=1):
+    """One-way seconds per message size (bytes, of ``sizes``) between rank 0 and ``peer_of_zero``: the median of
+    ``reps`` round trips / 2, after ``warmup`` round trips not counted. Every rank of the world calls it."""
     import torch
     import torch.distributed as dist
     out = {}
-    for size in SIZES:
+    for size in sizes:
         buf = torch.zeros(size // 4)
         times = []
-        for i in range(reps + 1):
+        for i in range(reps + warmup):
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
@@ -59,7 +60,7 @@ def ping_pong(rank, peer_of_zero=1, reps=7):
             elif rank == peer_of_zero:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
-            if i >= 1:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
         out[size] = statistics.median(times) / 2
     return out
@@ -293,9 +294,8 @@ def markdown(report):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    from ds_paci.tools.processes.rank_job import driver_parser, rank_or_drive
+    p = driver_parser(__doc__.split("\n\n")[0])
     p.add_argument("--variants", help=argparse.SUPPRESS)
     p.add_argument("--rates", type=float, nargs="+", default=[100.0, 300.0], help="link rates, Mbit/s each way")
     p.add_argument("--shapes", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
@@ -313,18 +313,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", help="write the report (JSON) here")
     args = p.parse_args(argv)
-    if args.rank_job:
-        import datetime
-
-        import deepspeed
-
-        from ds_paci.core.runtime import skip_cpu_jit_ops
-        skip_cpu_jit_ops()
-        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300))
-        return rank_job(args)
-    if any(r <= 0 for r in args.rates):
+    if not args.rank_job and any(r <= 0 for r in args.rates):
         p.error("--rates must be > 0")
-    return drive(args)
+    return rank_or_drive(args, rank_job, drive, gloo_timeout_s=300)
 
 
 if __name__ == "__main__":
