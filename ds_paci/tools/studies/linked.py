@@ -25,7 +25,8 @@ micro-batch (``train_batch`` time / M after a warm-up). The driver predicts each
 variant's trace) and the fitted link (links are not shared in the simulator; here the pp2dp2 pipelines share it).
 
 Emulated device time on a shared 2-core machine: read the ratios. Public contract: :func:`main` (the command
-line), :func:`run_shape` (one shape at one rate: the ranks' reports), :func:`fit` and :func:`predict`.
+line), :func:`run_shape` (one shape at one rate: the ranks' reports), :func:`fit`, :func:`predict`, :func:`ping_pong`
+and :func:`weight_digests`.
 """
 
 import argparse
@@ -92,6 +93,13 @@ def _layers(width, grad_elems, f):
     return [Scale(), Ballast(), EmulatedDeviceTime(f), Scale(), Ballast(), EmulatedDeviceTime(f)]
 
 
+def weight_digests(module):
+    """``{parameter name: sha256 of its bytes}`` of this rank's stage: equal digests are bit-identical weights."""
+    import hashlib
+    return {name: hashlib.sha256(p.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+            for name, p in module.named_parameters()}
+
+
 def _config(args, overlay):
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.gas,
            "steps_per_print": 10**9, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 1e-4}}}
@@ -104,7 +112,8 @@ def _config(args, overlay):
 
 
 def rank_job(args):
-    """One rank: the ping-pong, then every variant in alternated rounds; writes ``rank<R>.json``."""
+    """One rank: the ping-pong, then every variant in alternated rounds; writes ``rank<R>.json`` (per run: seconds
+    per call, losses, the stage's weight digests at the start and after the closing drain of a PACI engine)."""
     import deepspeed
     import torch
     from deepspeed.pipe import PipelineModule
@@ -123,6 +132,7 @@ def rank_job(args):
                                    loss_fn=lambda out, y: ((out - y)**2).mean(), partition_method="uniform")
             engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(),
                                             config=_config(args, overlay))
+            start_weights = weight_digests(engine.module)
             gen = torch.Generator().manual_seed(1)
             # targets half the inputs: the losses and the Scale layers' gradients are not zero
             batches = [(x, 0.5 * x) for x in (torch.randn(args.micro, width, generator=gen) for _ in range(args.gas))]
@@ -134,8 +144,11 @@ def rank_job(args):
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
                 losses.append(None if loss is None else float(loss))
+            if isinstance(engine, ds_paci.PACIPipelineEngine):
+                engine.drain()  # the end of training, after the timed calls: the partial window is stepped
             run = {"variant": name, "round": round_, "seconds_per_batch": times, "losses": losses,
-                   "engine": type(engine).__name__, "last_stage": engine.is_last_stage()}
+                   "engine": type(engine).__name__, "last_stage": engine.is_last_stage(),
+                   "weights_sha256": {"start": start_weights, "drained": weight_digests(engine.module)}}
             if "paci" in overlay and overlay["paci"].get("enabled", True):
                 trace = engine.paci_trace()
                 for kind, text in (("ForwardPass", "F"), ("BackwardPass", "B")):  # instruction texts F3, B3
