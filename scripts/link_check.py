@@ -17,7 +17,6 @@ the measured forward/backward times, with the fitted link model and without it, 
 measurement. Emulated device time; a shared, loaded machine: read the ratios, not the absolute numbers.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -28,26 +27,10 @@ import time
 SIZES = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 
 
-def ping_pong(rank, reps=15):
-    import torch
-    import torch.distributed as dist
-    out = {}
-    for size in SIZES:
-        buf = torch.zeros(size // 4)
-        times = []
-        for i in range(reps + 2):
-            dist.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-        out[size] = statistics.median(times) / 2
-    return out
+def ping_pong(rank):
+    """The study's ping-pong (:func:`ds_paci.tools.studies.linked.ping_pong`) at this script's sizes and counts."""
+    from ds_paci.tools.studies.linked import ping_pong as measure
+    return measure(rank, reps=15, sizes=SIZES, warmup=2)
 
 
 class Scale:
@@ -117,20 +100,10 @@ def pipeline_job(args):
     return 0
 
 
-def fit(ping):
-    """``(latency, bandwidth)`` of one-way times over message sizes: least squares on relative errors (weights
-    1/t^2), so the small messages set the latency and the large ones the bandwidth."""
-    rows = [(float(s), float(t), 1.0 / float(t)**2) for s, t in ping.items()]
-    sw = sum(w for _, _, w in rows)
-    sx, sy = sum(w * x for x, _, w in rows), sum(w * y for _, y, w in rows)
-    sxx, sxy = sum(w * x * x for x, _, w in rows), sum(w * x * y for x, y, w in rows)
-    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    return max(0.0, (sy - slope * sx) / sw), 1.0 / slope
-
-
 def predict(runs, ping, micro, gas, width_bytes):
     from ds_paci.tools.sim.links import Link, LinkModel
     from ds_paci.tools.sim.simulate import CostModel, long_run_period
+    from ds_paci.tools.studies.linked import fit
     latency, bandwidth = fit(ping)
     out = []
     for width in sorted({r["width"] for r in runs}):
@@ -184,10 +157,8 @@ def drive(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
-    p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
+    from ds_paci.tools.processes.rank_job import driver_parser, rank_or_drive
+    p = driver_parser(__doc__.split("\n\n")[0], launcher=True)
     p.add_argument("--f", type=float, default=0.02, help="emulated forward seconds per stage (backward: 2f)")
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--gas", type=int, default=4)
@@ -198,14 +169,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", help="write the report (JSON) here")
     args = p.parse_args(argv)
-    if args.rank_job:
-        import deepspeed
-
-        from ds_paci.core.runtime import skip_cpu_jit_ops
-        skip_cpu_jit_ops()
-        deepspeed.init_distributed(dist_backend="gloo")
-        return pipeline_job(args)
-    return drive(args)
+    return rank_or_drive(args, pipeline_job, drive)
 
 
 if __name__ == "__main__":

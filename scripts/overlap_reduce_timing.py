@@ -18,17 +18,6 @@ import time
 import torch
 
 
-class Tanh(torch.nn.Module):
-
-    def __init__(self, dim, seed):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.linear = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return torch.tanh(self.linear(x))
-
-
 def _batches(micro, dim, seed):
     g = torch.Generator().manual_seed(seed)
     while True:
@@ -38,11 +27,10 @@ def _batches(micro, dim, seed):
 
 def worker(rank, dim, layers, micro, gas, rounds, calls):
     import ds_paci
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from ds_paci.tools.tanh_pipeline import tanh_pipeline
     engines = {}
     for overlap in (False, True):
-        model = PipelineModule(layers=[LayerSpec(Tanh, dim, i) for i in range(layers)], num_stages=2,
-                               loss_fn=lambda out, y: ((out - y)**2).mean(), partition_method="uniform")
+        model = tanh_pipeline(dim, layers, 2, lambda out, y: ((out - y)**2).mean())
         cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas, "steps_per_print": 10**9,
                "paci": {"enabled": True, "overlap_reduce": overlap, "overlap_bucket_elements": dim * dim,
                         "watchdog_seconds": 600}}

@@ -2,9 +2,9 @@
 
 Each node is a network namespace; a veth pair limited by ``tc ... tbf`` joins them. A PACI pipeline (2 stages one
 per node, and 2 stages x 2 replicas with each stage's replicas on different nodes) trains across that link over
-gloo and its last stage must produce exactly the losses of the same run on loopback; the link must really be
-limited (a 2 MiB message takes at least what the token bucket lets through); the namespaces must be gone
-afterwards, also when the body fails. Needs root (``ip netns add``); fails with the one-line reason elsewhere, as
+gloo and its last stage must produce exactly the losses of the same run on loopback, and every rank exactly its
+weights after the closing drain; the link must really be limited (a 2 MiB message takes at least what the token
+bucket lets through); the namespaces must be gone afterwards, also when the body fails. Needs root (``ip netns add``); fails with the one-line reason elsewhere, as
 ``tests/test_multinode.py`` does without mount namespaces.
 """
 
@@ -60,6 +60,11 @@ def test_a_paci_pipeline_across_a_limited_link_equals_loopback(tmp_path, shape):
         if a["runs"][0]["last_stage"]:
             assert a["runs"][0]["losses"] == b["runs"][0]["losses"], (rank, a["runs"], b["runs"])
             assert min(a["runs"][0]["losses"]) > 0, a["runs"][0]["losses"]
+        # every rank's weights after the closing drain, bit for bit: the same arithmetic whatever the link's timing
+        weights, loopback = a["runs"][0]["weights_sha256"], b["runs"][0]["weights_sha256"]
+        assert weights["start"] == loopback["start"], rank
+        assert weights["drained"] == loopback["drained"], (rank, weights, loopback)
+        assert weights["drained"] != weights["start"], rank  # training changed them (the comparison means something)
     assert sum(a["runs"][0]["last_stage"] for a in across) == {"pp2": 1, "pp2dp2": 2}[shape]
     # the link is limited: a token bucket passes at most burst + rate * t bytes in t seconds
     size = max(int(k) for k in across[0]["ping_pong"])

@@ -13,20 +13,9 @@ import gc
 
 import deepspeed
 import torch
-from deepspeed.pipe import LayerSpec, PipelineModule
 
 import ds_paci
-
-
-class Block(torch.nn.Module):
-
-    def __init__(self, dim, seed):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.linear = torch.nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return torch.tanh(self.linear(x))
+from ds_paci.tools.tanh_pipeline import tanh_pipeline
 
 
 def batches(micro, dim):
@@ -51,8 +40,7 @@ def main():
     initialize = ds_paci.initialize if args.init == "ours" else deepspeed.initialize
     rank = torch.distributed.get_rank()
     for i, config in enumerate(args.configs):
-        net = PipelineModule(layers=[LayerSpec(Block, 8, k) for k in range(4)], num_stages=args.stages,
-                             loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+        net = tanh_pipeline(8, 4, args.stages, torch.nn.MSELoss())
         engine, _, _, _ = initialize(model=net, model_parameters=net.parameters(), config=config)
         print(f"rank {rank}: engine {i} {type(engine).__name__}", flush=True)
         data = batches(engine.train_micro_batch_size_per_gpu(), 8)

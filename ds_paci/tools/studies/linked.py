@@ -25,7 +25,8 @@ micro-batch (``train_batch`` time / M after a warm-up). The driver predicts each
 variant's trace) and the fitted link (links are not shared in the simulator; here the pp2dp2 pipelines share it).
 
 Emulated device time on a shared 2-core machine: read the ratios. Public contract: :func:`main` (the command
-line), :func:`run_shape` (one shape at one rate: the ranks' reports), :func:`fit` and :func:`predict`.
+line), :func:`run_shape` (one shape at one rate: the ranks' reports), :func:`fit`, :func:`predict`, :func:`ping_pong`
+and :func:`weight_digests`.
 """
 
 import argparse
@@ -42,15 +43,16 @@ DEFAULT_VARIANTS = {"stock": {}, "paci": {"paci": {"enabled": True, "lookahead":
 SIZES = [16384, 131072, 524288, 2097152]
 
 
-def ping_pong(rank, peer_of_zero=1, reps=7):
-    """One-way seconds per message size between rank 0 and ``peer_of_zero`` (median of ``reps`` round trips / 2)."""
+def ping_pong(rank, peer_of_zero=1, reps=7, sizes=SIZES, warmup=1):
+    """One-way seconds per message size (bytes, of ``sizes``) between rank 0 and ``peer_of_zero``: the median of
+    ``reps`` round trips / 2, after ``warmup`` round trips not counted. Every rank of the world calls it."""
     import torch
     import torch.distributed as dist
     out = {}
-    for size in SIZES:
+    for size in sizes:
         buf = torch.zeros(size // 4)
         times = []
-        for i in range(reps + 1):
+        for i in range(reps + warmup):
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
@@ -59,7 +61,7 @@ def ping_pong(rank, peer_of_zero=1, reps=7):
             elif rank == peer_of_zero:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
-            if i >= 1:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
         out[size] = statistics.median(times) / 2
     return out
@@ -91,6 +93,13 @@ def _layers(width, grad_elems, f):
     return [Scale(), Ballast(), EmulatedDeviceTime(f), Scale(), Ballast(), EmulatedDeviceTime(f)]
 
 
+def weight_digests(module):
+    """``{parameter name: sha256 of its bytes}`` of this rank's stage: equal digests are bit-identical weights."""
+    import hashlib
+    return {name: hashlib.sha256(p.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+            for name, p in module.named_parameters()}
+
+
 def _config(args, overlay):
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.gas,
            "steps_per_print": 10**9, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 1e-4}}}
@@ -103,7 +112,8 @@ def _config(args, overlay):
 
 
 def rank_job(args):
-    """One rank: the ping-pong, then every variant in alternated rounds; writes ``rank<R>.json``."""
+    """One rank: the ping-pong, then every variant in alternated rounds; writes ``rank<R>.json`` (per run: seconds
+    per call, losses, the stage's weight digests at the start and after the closing drain of a PACI engine)."""
     import deepspeed
     import torch
     from deepspeed.pipe import PipelineModule
@@ -122,6 +132,7 @@ def rank_job(args):
                                    loss_fn=lambda out, y: ((out - y)**2).mean(), partition_method="uniform")
             engine, *_ = ds_paci.initialize(model=model, model_parameters=model.parameters(),
                                             config=_config(args, overlay))
+            start_weights = weight_digests(engine.module)
             gen = torch.Generator().manual_seed(1)
             # targets half the inputs: the losses and the Scale layers' gradients are not zero
             batches = [(x, 0.5 * x) for x in (torch.randn(args.micro, width, generator=gen) for _ in range(args.gas))]
@@ -133,8 +144,11 @@ def rank_job(args):
                 if i >= args.warmup:
                     times.append(time.perf_counter() - t0)
                 losses.append(None if loss is None else float(loss))
+            if isinstance(engine, ds_paci.PACIPipelineEngine):
+                engine.drain()  # the end of training, after the timed calls: the partial window is stepped
             run = {"variant": name, "round": round_, "seconds_per_batch": times, "losses": losses,
-                   "engine": type(engine).__name__, "last_stage": engine.is_last_stage()}
+                   "engine": type(engine).__name__, "last_stage": engine.is_last_stage(),
+                   "weights_sha256": {"start": start_weights, "drained": weight_digests(engine.module)}}
             if "paci" in overlay and overlay["paci"].get("enabled", True):
                 trace = engine.paci_trace()
                 for kind, text in (("ForwardPass", "F"), ("BackwardPass", "B")):  # instruction texts F3, B3
@@ -293,9 +307,8 @@ def markdown(report):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    from ds_paci.tools.processes.rank_job import driver_parser, rank_or_drive
+    p = driver_parser(__doc__.split("\n\n")[0])
     p.add_argument("--variants", help=argparse.SUPPRESS)
     p.add_argument("--rates", type=float, nargs="+", default=[100.0, 300.0], help="link rates, Mbit/s each way")
     p.add_argument("--shapes", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
@@ -313,18 +326,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", help="write the report (JSON) here")
     args = p.parse_args(argv)
-    if args.rank_job:
-        import datetime
-
-        import deepspeed
-
-        from ds_paci.core.runtime import skip_cpu_jit_ops
-        skip_cpu_jit_ops()
-        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=300))
-        return rank_job(args)
-    if any(r <= 0 for r in args.rates):
+    if not args.rank_job and any(r <= 0 for r in args.rates):
         p.error("--rates must be > 0")
-    return drive(args)
+    return rank_or_drive(args, rank_job, drive, gloo_timeout_s=300)
 
 
 if __name__ == "__main__":
