@@ -1,5 +1,4 @@
-"""A DeepSpeed pipeline training script written the way DeepSpeed's examples are: it calls nothing of ds_paci (only
-its model, a stack of tanh layers, comes from ``ds_paci.tools.tanh_pipeline``).
+"""A DeepSpeed pipeline training script written the way DeepSpeed's examples are: it knows nothing of ds_paci.
 
     deepspeed --num_gpus 2 tests/scripts/ds_pipeline_script.py --deepspeed_config cfg.json --out DIR
     deepspeed --num_gpus 2 --module ds_paci.run tests/scripts/ds_pipeline_script.py --deepspeed_config cfg.json ...
@@ -18,8 +17,18 @@ import time
 
 import deepspeed
 import torch
+from deepspeed.pipe import LayerSpec, PipelineModule
 
-from ds_paci.tools.tanh_pipeline import tanh_pipeline
+
+class Block(torch.nn.Module):
+
+    def __init__(self, dim, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.linear = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
 
 
 def batches(micro, dim, seed=0, distinct=2):
@@ -55,7 +64,8 @@ def main():
                 args.deepspeed_config_dict = json.load(f)
             args.deepspeed_config = None
             kwargs["config"] = args.deepspeed_config_dict
-        net = tanh_pipeline(args.dim, args.layers, args.stages, torch.nn.MSELoss())
+        net = PipelineModule(layers=[LayerSpec(Block, args.dim, i) for i in range(args.layers)],
+                             num_stages=args.stages, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
         engine, _, _, _ = deepspeed.initialize(args=args, model=net, model_parameters=net.parameters(), **kwargs)
         data = batches(engine.train_micro_batch_size_per_gpu(), args.dim)
         losses, seconds = [], []
