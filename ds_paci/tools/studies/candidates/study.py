@@ -14,7 +14,9 @@ Cells (:data:`CELLS`):
   ``eval_batch`` does; seeds 1234/7, ``-s2``: 4321/8; the look-ahead restores by copy, the engine's default);
 * ``sweep-P4M2`` / ``sweep-P8M4``: the sweep's M = P/2 cells at stock's best learning rate 3e-3
   (:data:`ds_paci.tools.studies.quality.grid.MODEL`, 240 calls, validations without draining, as the sweep;
-  restore by recompute, as the sweep), first seed; ``...-s2``: second seed; ``sweep-P16M8``: P = 16 (120 calls).
+  restore by recompute, as the sweep), first seed; ``...-s2``: second seed; ``sweep-P16M8``: P = 16 (120 calls);
+* ``-s3`` / ``-s4`` (:data:`SEEDS`) of ``unseen-lr2e-3`` and the three sweep cells; ``held-w48x2`` (``-s2`` to
+  ``-s4``): a second model kept aside, the unseen cell with two blocks of width 48 (4 heads) per stage.
 
 Candidates (:data:`CANDIDATES`): ``stock``; ``auto`` (the look-ahead with ``"auto"``'s per-stage windows before
 issue 30, :func:`per_stage_auto`); ``uniform-max`` (the largest of those on every stage: the engine's ``"auto"``
