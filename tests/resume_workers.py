@@ -209,7 +209,7 @@ def two_ranks(rank, root):
 
 def four_ranks(rank, root, p2dp1):
     """P = 2 x DP = 2 (a = 3, M = 2, NaN micro-batches before and after the save), resumed unchanged, with another
-    window, load_module_only, on 4 stages, on DP = 2 from a DP = 1 checkpoint; P = 4 with "auto", M 4 -> 1."""
+    window, load_module_only, on 4 stages, on DP = 2 from a DP = 1 checkpoint; P = 4 with "auto", M 10 -> 1."""
     out = {}
     base = {"accumulation_window": 3}
     ckpt = os.path.join(root, "p2dp2")
@@ -221,9 +221,10 @@ def four_ranks(rank, root, p2dp1):
     out["fresh"] = fresh_from_weights(2, 2, base, CALLS - SAVE_AT, used, out["ref"]["saved"]["weights"])
     out["stages"] = attempt_refused(build(4, 2, base, seed=99), Data(), ckpt, "open")
     out["dp"] = attempt_refused(build(2, 2, base, seed=99), Data(), p2dp1, "open")
-    # "auto" on P = 4: M = 4 gives a = 3 on every stage; M = 1 gives (3, 2, 1, 1): stage 0's window is unchanged
+    # "auto" on P = 4: M = 10 gives a = ceil(10/3) = 4 on every stage (2 micro-batches open after one call);
+    # M = 1 gives a = 3 on every stage
     auto = os.path.join(root, "auto")
-    engine = build(4, 4, {"accumulation_window": "auto"})
+    engine = build(4, 10, {"accumulation_window": "auto"})
     data = Data(nan_at=())
     run(engine, data, 1)
     engine.save_checkpoint(auto, tag="open")

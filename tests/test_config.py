@@ -34,16 +34,16 @@ def test_auto_window_keeps_drift_at_most_one_on_every_stage_within_its_floors():
             windows = [auto.window(M, P, s) for s in range(P)]
             assert windows == [auto_window(P, M, s) for s in range(P)]
             assert all(drift_bound(P, s, a) <= 1 for s, a in enumerate(windows)), (P, M, windows)
-            if M < P - 1:  # never more steps than the stock engine; late stages step every M
-                assert windows == [max(M, P - 1 - s) for s in range(P)], (P, M, windows)
-            else:  # drift <= 1 with one window: P-1 where M <= 3(P-1), about three times stock's steps at most
-                assert windows == [max(P - 1, -(-M // 3))] * P, (P, M, windows)
-                assert windows[0] == P - 1 or M > 3 * (P - 1), (P, M, windows)
+            # one window on every stage, M < P-1 included (issue 30): P-1 where M <= 3(P-1), about three
+            # times stock's steps at most beyond
+            assert windows == [max(P - 1, -(-M // 3))] * P, (P, M, windows)
+            assert windows[0] == P - 1 or M > 3 * (P - 1), (P, M, windows)
             # one window for every stage (tied layers across stages, sync mode): stage 0's, drift <= 1 everywhere
             uniform = auto.window(M, P)
             assert uniform == windows[0] and all(drift_bound(P, s, uniform) <= 1 for s in range(P))
     assert auto.window(8, 1) == 8  # one stage: no drift, the stock engine's window
-    assert [auto_window(8, 4, s) for s in range(8)] == [7, 6, 5, 4, 4, 4, 4, 4]  # issue 19's P = 8, M = 4 cell
+    assert [auto_window(8, 4, s) for s in range(8)] == [7] * 8  # issue 30: 7,6,5,4,4,4,4,4 until then
+    assert [auto_window(4, 2, s) for s in range(4)] == [3] * 4 and [auto_window(16, 8, s) for s in range(16)] == [15] * 16
     assert [auto_window(P, 2 * P, 0) for P in (4, 8, 16, 32)] == [3, 7, 15, 31]  # the sweep's M = 2P cells: P-1
     assert auto_window(2, 8) == 3 and auto_window(4, 12) == 4  # the guard ceil(M/3), beyond the sweep
 
@@ -123,7 +123,7 @@ def test_initialize_refuses_unsupported_runs_on_every_rank():
         assert out["bf16"] is None, out["bf16"]
 
 
-def test_auto_window_is_per_stage_unless_tied_layers_span_stages_or_sync_mode():
+def test_auto_window_is_one_window_on_every_stage_tied_or_not_sync_or_not():
     from types import SimpleNamespace
 
     import torch
@@ -140,7 +140,8 @@ def test_auto_window_is_per_stage_unless_tied_layers_span_stages_or_sync_mode():
         return SimpleNamespace(paci=paci, micro_batches=4, num_stages=8, stage_id=stage, module=module)
 
     window = PACIPipelineEngine._configured_window
-    assert [window(engine(s, tied=False)) for s in range(8)] == [7, 6, 5, 4, 4, 4, 4, 4]
+    # M = 4 < P-1: one window P-1 since issue 30 (the per-stage 7,6,5,4,4,4,4,4 before it)
+    assert [window(engine(s, tied=False)) for s in range(8)] == [7] * 8
     assert [window(engine(s, tied=True)) for s in range(8)] == [7] * 8  # tied owners step together
     assert [window(engine(s, tied=False, sync=True)) for s in range(8)] == [7] * 8
 

@@ -93,7 +93,7 @@ def test_four_ranks_window_stages_replicas_module_only_auto(two_rank_world, tmp_
     assert_refused(results, "window", "WindowStateError", "accumulation window 3", "this run's window is 2")
     assert_refused(results, "stages", "WindowStateError", "saved on 2 pipeline stages", "this run has 4", "load_module_only=True")
     assert_refused(results, "dp", "WindowStateError", "1 data-parallel replicas", "this run has 2")
-    # item 7: "auto" with M 4 -> 1 changes the windows of stages 1-3 only; every rank refuses alike
-    assert [r["auto_saved"] for r in results] == [(3, 1)] * 4
-    assert [r["auto_window"] for r in results] == [3, 2, 1, 1]
+    # item 7: "auto" with M 10 -> 1 changes every stage's window (4 -> 3); every rank refuses alike
+    assert [r["auto_saved"] for r in results] == [(4, 2)] * 4
+    assert [r["auto_window"] for r in results] == [3, 3, 3, 3]
     assert_refused(results, "auto", "WindowStateError", "accumulation window")

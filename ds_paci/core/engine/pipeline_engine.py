@@ -195,9 +195,10 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         self._open_window = watch_open_window(self)  # warns if collected or at exit with gradients never applied
 
     def _configured_window(self):
-        """This stage's ``a`` for the current M: ``"auto"`` may differ per stage, except in sync mode (every stage
-        must agree on running DeepSpeed's step) and where tied layers span stages (their owners exchange window
-        gradients, so every stage takes one window)."""
+        """This stage's ``a`` for the current M. ``"auto"`` is one window on every stage since issue 30; the stage
+        is still passed only where a per-stage answer would be allowed (not in sync mode, where every stage must
+        agree on running DeepSpeed's step, nor where tied layers span stages, whose owners exchange window
+        gradients)."""
         per_stage = (self.paci.accumulation_window == "auto" and not self.paci.drain_every_batch
                      and not tied_owner_stages(self.module))
         return self.paci.window(self.micro_batches, self.num_stages, self.stage_id if per_stage else None)

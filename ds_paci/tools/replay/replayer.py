@@ -135,7 +135,7 @@ def stage_windows(window, stages: int, micro_batches: int) -> list:
     sequence of ``stages`` ints."""
     if window is None:
         return [micro_batches] * stages
-    if window == "auto":  # per stage, as the engine without tied layers across stages
+    if window == "auto":  # one window on every stage since issue 30, as the engine
         return [auto_window(stages, micro_batches, s) for s in range(stages)]
     if isinstance(window, int):
         return [window] * stages

@@ -14,10 +14,13 @@ Cells (:data:`CELLS`):
   ``eval_batch`` does; seeds 1234/7, ``-s2``: 4321/8; the look-ahead restores by copy, the engine's default);
 * ``sweep-P4M2`` / ``sweep-P8M4``: the sweep's M = P/2 cells at stock's best learning rate 3e-3
   (:data:`ds_paci.tools.studies.quality.grid.MODEL`, 240 calls, validations without draining, as the sweep;
-  restore by recompute, as the sweep), first seed; ``...-s2``: second seed; ``sweep-P16M8``: P = 16 (120 calls).
+  restore by recompute, as the sweep), first seed; ``...-s2``: second seed; ``sweep-P16M8``: P = 16 (120 calls);
+* ``-s3`` / ``-s4`` (:data:`SEEDS`) of ``unseen-lr2e-3`` and the three sweep cells; ``held-w48x2`` (``-s2`` to
+  ``-s4``): a second model kept aside, the unseen cell with two blocks of width 48 (4 heads) per stage.
 
-Candidates (:data:`CANDIDATES`): ``stock``; ``auto`` (today's look-ahead and window); ``uniform-max`` (the
-largest of ``"auto"``'s windows on every stage); ``ef`` (error feedback), ``moment`` (Nesterov-style
+Candidates (:data:`CANDIDATES`): ``stock``; ``auto`` (the look-ahead with ``"auto"``'s per-stage windows before
+issue 30, :func:`per_stage_auto`); ``uniform-max`` (the largest of those on every stage: the engine's ``"auto"``
+since issue 30); ``ef`` (error feedback), ``moment`` (Nesterov-style
 prediction from Adam's first moment), ``blend`` (the open window plus the moment for the rest), ``lr-sqrt`` /
 ``lr-lin`` (learning-rate compensation for ``a_s > M``), ``adaptive`` (windows between ``"auto"``'s and
 ``uniform-max`` from the measured prediction error), each on ``"auto"``'s windows (``ef-half``: feedback 0.5); ``uniform-blend``;
@@ -53,10 +56,20 @@ class Cell:
     eval_every: int
     drains: bool  # validations drain first (eval_batch) or read the current weights (the sweep)
     restore: str
+    blocks_per_stage: int = 1
+
+
+#: Seeds per cell suffix: no suffix is the first seed pair, ``-s2`` the second, ...
+SEEDS = {"": (1234, 7), "-s2": (4321, 8), "-s3": (2468, 9), "-s4": (1357, 10)}
 
 
 def _unseen(lr, seeds=(1234, 7)):
     return Cell(8, 4, lr, 300, 64, 4, 64, 4, 16, seeds[0], seeds[1], 50, True, "copy")
+
+
+def _held(seeds=(1234, 7)):
+    """The second model kept aside: the unseen cell's setting with two blocks of width 48 (4 heads) per stage."""
+    return Cell(8, 4, 2e-3, 300, 48, 4, 64, 4, 16, seeds[0], seeds[1], 50, True, "copy", blocks_per_stage=2)
 
 
 def _sweep(P, seeds=(1234, 7)):
@@ -68,13 +81,20 @@ def _sweep(P, seeds=(1234, 7)):
 CELLS = {
     "unseen-lr2e-3": lambda: _unseen(2e-3),
     "unseen-lr6.67e-4": lambda: _unseen(6.67e-4),
-    "unseen-lr2e-3-s2": lambda: _unseen(2e-3, (4321, 8)),
+    "unseen-lr2e-3-s2": lambda: _unseen(2e-3, SEEDS["-s2"]),
     "sweep-P4M2": lambda: _sweep(4),
     "sweep-P8M4": lambda: _sweep(8),
     "sweep-P16M8": lambda: _sweep(16),
-    "sweep-P4M2-s2": lambda: _sweep(4, (4321, 8)),
-    "sweep-P8M4-s2": lambda: _sweep(8, (4321, 8)),
+    "sweep-P4M2-s2": lambda: _sweep(4, SEEDS["-s2"]),
+    "sweep-P8M4-s2": lambda: _sweep(8, SEEDS["-s2"]),
+    "sweep-P16M8-s2": lambda: _sweep(16, SEEDS["-s2"]),
 }
+for _tag in ("-s3", "-s4"):
+    CELLS[f"unseen-lr2e-3{_tag}"] = (lambda seeds: lambda: _unseen(2e-3, seeds))(SEEDS[_tag])
+    for _P in (4, 8, 16):
+        CELLS[f"sweep-P{_P}M{_P // 2}{_tag}"] = (lambda P, seeds: lambda: _sweep(P, seeds))(_P, SEEDS[_tag])
+for _tag, _seeds in SEEDS.items():
+    CELLS[f"held-w48x2{_tag}"] = (lambda seeds: lambda: _held(seeds))(_seeds)
 
 CANDIDATES = {
     "stock": None,
@@ -93,24 +113,31 @@ CANDIDATES = {
 }
 
 
+def per_stage_auto(stages: int, micro_batches: int) -> list:
+    """``"auto"``'s windows before issue 30, ``a_s = max(min(M, P-1), P-1-s, ceil(M/3))``: the study's ``auto``
+    and the windows of every candidate not named ``uniform-*`` (the engine's ``"auto"`` is now ``uniform-max``)."""
+    return [max(min(micro_batches, stages - 1), stages - 1 - s, -(-micro_batches // 3), 1) for s in range(stages)]
+
+
 def run_one(cell: Cell, name: str, steps: int) -> dict:
     """One replay of ``cell`` with candidate ``name``; returns its result dict."""
     import torch
 
-    from ds_paci.tools.replay.replayer import Evaluation, load_tokens, replay, stage_windows
+    from ds_paci.tools.replay.replayer import Evaluation, load_tokens, replay
     from ds_paci.workload.data import MicroBatchIterator, eval_micro_batches
     from ds_paci.workload.gpt2 import gpt2_config, gpt2_reference_model
     torch.set_num_threads(1)
     train, val, _ = load_tokens("byte", main_split=False)
-    cfg = gpt2_config("tiny", vocab_size=257, n_positions=cell.seq_len, n_embd=cell.n_embd, n_layer=cell.stages,
+    cfg = gpt2_config("tiny", vocab_size=257, n_positions=cell.seq_len, n_embd=cell.n_embd,
+                      n_layer=cell.stages * cell.blocks_per_stage,
                       n_head=cell.n_head)
     net = gpt2_reference_model(cfg, seed=cell.seed)
     train_iter = MicroBatchIterator(train, cell.micro_batch_size, cell.seq_len, seed=cell.data_seed)
     val_batches = eval_micro_batches(val, cell.micro_batch_size, cell.seq_len, count=cell.val_micro_batches)
     candidate = CANDIDATES[name]
-    mode, window = ("sync", None) if candidate is None else ("lookahead", "auto")
+    mode, window = ("sync", None) if candidate is None else ("lookahead", per_stage_auto(cell.stages, cell.micro_batches))
     if candidate is not None and candidate.window == "uniform-max":
-        window = max(stage_windows("auto", cell.stages, cell.micro_batches))
+        window = max(window)
     result = replay(net, cell.stages, cell.micro_batches, train_iter, val_batches, steps, mode=mode, window=window,
                     lr=cell.lr, betas=(0.9, 0.999), weight_decay=0.0,
                     evaluation=Evaluation(every=cell.eval_every, drains=cell.drains), restore=cell.restore,
@@ -143,6 +170,12 @@ def plateau(curve, stock_curve, margin=0.10):
     if best is None:
         return None
     return (steps[steps.index(best[0]) - 1], best[-1])
+
+
+def seedless(cell_name: str) -> str:
+    """The cell's name without its seed suffix (``-s2``, ``-s3``, ...): the cell whose seeds are averaged."""
+    head, _, tail = cell_name.rpartition("-s")
+    return head if head and tail.isdigit() else cell_name
 
 
 def _load(path):
@@ -178,22 +211,33 @@ def write_table(out, cells, names, steps_of) -> str:
                 flag = f" **plateau {flat[0]}-{flat[1]}**" if flat else ""
                 cols.append(f"{r['final']:.4f} ({pct:+.1f}%){flag}")
         lines.append(f"| {cell_name} | {steps} | " + " | ".join(cols) + " |")
-    lines += ["", "| candidate | cells | worst % over stock | cells within 2% | plateaus |", "|---|---|---|---|---|"]
+    pcts = {}  # (cell, candidate) -> (% over stock, on a plateau); "within" compares the % as printed
+    for cell_name in cells:
+        steps, default = steps_of(cell_name), CELLS[cell_name]().steps
+        stock = _load(_path(out, cell_name, "stock", steps, default))
+        for name in names:
+            run = None if stock is None or name == "stock" else _load(_path(out, cell_name, name, steps, default))
+            if run is not None:
+                pcts[cell_name, name] = (100 * (run["final"] / stock["final"] - 1),
+                                         plateau(run["curve"], stock["curve"]) is not None)
+    lines += ["", "| candidate | cells | worst % over stock | cells within 1% | cells within 2% | plateaus |",
+              "|---|---|---|---|---|---|"]
     for name in names:
-        if name == "stock":
-            continue
-        pcts, flats, within = [], 0, 0
-        for cell_name in cells:
-            steps, default = steps_of(cell_name), CELLS[cell_name]().steps
-            got = [_load(_path(out, cell_name, n, steps, default)) for n in ("stock", name)]
-            if None in got:
-                continue
-            pct = 100 * (got[1]["final"] / got[0]["final"] - 1)
-            pcts.append(pct)
-            within += pct <= 2.0
-            flats += plateau(got[1]["curve"], got[0]["curve"]) is not None
-        if pcts:
-            lines.append(f"| {name} | {len(pcts)} | {max(pcts):+.1f}% | {within} | {flats} |")
+        got = [v for (c, n), v in pcts.items() if n == name]
+        if got:
+            worst = max(p for p, _ in got)
+            lines.append(f"| {name} | {len(got)} | {worst:+.1f}% | {sum(round(p, 1) <= 1.0 for p, _ in got)} | "
+                         f"{sum(round(p, 1) <= 2.0 for p, _ in got)} | {sum(f for _, f in got)} |")
+    others = [n for n in names if n != "stock"]
+    lines += ["", "Mean % over stock across the seeds stored (seeds; runs on a plateau):", "",
+              "| cell | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+    for base in dict.fromkeys(seedless(c) for c in cells):
+        cols = []
+        for name in others:
+            got = [v for (c, n), v in pcts.items() if n == name and seedless(c) == base]
+            cols.append("-" if not got else f"{sum(p for p, _ in got) / len(got):+.1f}% ({len(got)}; "
+                        f"{sum(f for _, f in got)})")
+        lines.append(f"| {base} | " + " | ".join(cols) + " |")
     text = "\n".join(lines) + "\n"
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "table.md"), "w") as f:
