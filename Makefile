@@ -12,8 +12,8 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 NPROC ?= 2
 CONFIG ?= configs/paci.json
 TRAIN_ARGS ?=
-# pytest-xdist workers of `make test` (tests sharing a module fixture's launches run on one: xdist_group); 0 runs
-# the suite in one process
+# pytest-xdist workers of `make test` (tests sharing a module fixture's launches run on one: xdist_group; the tests
+# marked `process` go first, the in-process tier last: tests/conftest.py); 0 runs the suite in one process
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 DS_ARGS ?=  # launcher options, e.g. DS_ARGS="--master_port 23456" when other jobs use the default port

@@ -125,6 +125,16 @@ def pytest_unconfigure(config):
     uninstall_guard()
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Tests marked ``process`` first, the in-process tier last (stable otherwise).
+
+    ``make test`` runs ``--dist loadgroup`` on two workers: xdist hands each worker the next unit of work in this
+    order (xdist groups first, largest first), keeping up to three queued per worker. A process test of up to two
+    minutes near the end leaves the other worker idle that long; the in-process tests (hundreds of short ones) at
+    the end fill both workers until the last second instead."""
+    items.sort(key=lambda item: item.get_closest_marker(MARKER) is None)
+
+
 def _guarding(item):
     return None if item.get_closest_marker(MARKER) else item
 

@@ -58,7 +58,7 @@ def test_an_unmodified_script_warns_at_exit_with_the_micro_batches_never_applied
     # the issue's case: a = 8, 21 calls; the script never calls engine.drain()
     run = torchrun([USER_SCRIPT, "--steps", "21", _config(tmp_path, accumulation_window=8)])
     out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-4000:]
+    assert run.returncode == 0 and "terminate called" not in out, out[-4000:]
     found = {m.group(1): m.groups()[1:] for m in WARNING.finditer(out)}
     assert len(WARNING.findall(out)) == 2 and set(found) == {"0", "1"}, out[-3000:]  # once per rank
     for stage in (0, 1):  # what each stage's stream leaves after 21 calls of 2M ticks
@@ -75,7 +75,7 @@ def test_the_runner_drains_when_the_script_returns(tmp_path):
     run = torchrun(["-m", "ds_paci.run", RUNNER_SCRIPT, "--deepspeed_config", _config(tmp_path, accumulation_window=8),
                     "--out", str(tmp_path / "out"), "--steps", "21"])
     out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-4000:]
+    assert run.returncode == 0 and "terminate called" not in out, out[-4000:]
     assert "gradients were never applied" not in out, out[-3000:]  # nothing left open
     drained = [x for x in out.splitlines() if x.startswith("ds_paci.run: the script returned; engine.drain()")]
     assert len(drained) == 1 and "on stage 0:" in drained[0], out[-3000:]  # one line, rank 0
@@ -83,11 +83,12 @@ def test_the_runner_drains_when_the_script_returns(tmp_path):
 
 @pytest.mark.process
 def test_a_finished_run_exits_0_under_torchrun_every_time(tmp_path):
-    """The issue saw 1 of 7 runs abort at exit (``terminate called without an active exception``, rc 1): 16 runs
-    find a 1-in-7 failure with probability 1 - (6/7)^16 = 92%."""
+    """The issue saw 1 of 7 runs abort at exit (``terminate called without an active exception``, rc 1): these 8
+    runs and the 2 launches of the tests above (each asserts the same end) find a 1-in-7 failure with probability
+    1 - (6/7)^10 = 79% per suite run, 95% over two (each launch costs about 7 s of CPU)."""
     config = _config(tmp_path)
     failures = []
-    for i in range(16):
+    for i in range(8):
         run = torchrun(["-m", "ds_paci.run", RUNNER_SCRIPT, "--deepspeed_config", config, "--out",
                         str(tmp_path / f"out{i}"), "--steps", "2", "--layers", "2", "--dim", "4"], timeout=120)
         out = run.stdout + run.stderr
