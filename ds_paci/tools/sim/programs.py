@@ -3,7 +3,6 @@ published bubble formulas and the comparison rows :mod:`ds_paci.tools.sim.simula
 
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
-from ds_paci.core.program.actions import Action, Kind
 from ds_paci.core.program.passes import lower_call
 from ds_paci.core.program.stream import PACIStream, step_phase
 
@@ -40,7 +39,7 @@ def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, p
     """
     streams = [PACIStream(stages, s, window, micro_batches, step_phase(phase, s, window)) for s in range(stages)]
     programs = [[] for _ in range(stages)]
-    lower = _lower_nonblocking if nonblocking else list
+    lower = (lambda ticks: lower_call(ticks, nonblocking=True)) if nonblocking else list
     for _ in range(calls):
         for s, stream in enumerate(streams):
             programs[s].extend(lower(stream.advance(2 * micro_batches)))
@@ -50,43 +49,6 @@ def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, p
     if tied is not None:
         return add_tied_exchange(programs, tied)
     return programs
-
-
-_AFTER = {Kind.SEND_ACT: Kind.FORWARD, Kind.SEND_GRAD: Kind.BACKWARD}
-
-
-def _standin_hoist_sends(ticks):
-    """STAND-IN, used only while ``lower_call`` has no ``nonblocking`` (the engine's pass,
-    ``core.program.passes.hoist_sends``, not merged yet): each send right after the forward or backward it sends
-    the result of, a send whose compute lies in an earlier call first; ticks keep their number."""
-    computed = {(k, a.micro_batch) for tick in ticks for a in tick for k in _AFTER if a.kind is _AFTER[k]}
-    orphans, out = [], []
-    for tick in ticks:
-        row = []
-        for a in tick:
-            if a.kind in _AFTER:
-                if (a.kind, a.micro_batch) not in computed:
-                    orphans.append(a)
-                continue
-            row.append(a)
-            row.extend(Action(a.stage, k, micro_batch=a.micro_batch) for k in _AFTER
-                       if a.kind is _AFTER[k] and (k, a.micro_batch) in computed and _sends(ticks, k, a.micro_batch))
-        out.append(row)
-    if orphans:
-        out[0] = orphans + out[0]
-    return out
-
-
-def _sends(ticks, kind, micro_batch):
-    return any(a.kind is kind and a.micro_batch == micro_batch for tick in ticks for a in tick)
-
-
-def _lower_nonblocking(ticks):
-    """One call as the engine lowers it for non-blocking transfers (the stand-in above until the pass exists)."""
-    try:
-        return lower_call(ticks, nonblocking=True)
-    except TypeError:
-        return _standin_hoist_sends(ticks)
 
 
 def simulate_stock(stages, micro_batches, batches=1, cost=None):
