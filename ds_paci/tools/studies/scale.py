@@ -212,7 +212,7 @@ def variants_markdown(table, variants):
     lines = [f"| P | M | links | 1F1B-flush | ZB-V | {head} |", "|---:|---:|---|---:|---:|" + "---:|" * len(variants)]
     for r in table:
         p = r["period_s"]
-        cells = " | ".join(f"{1e3 * p[n]:.2f} ({p['ZB-V'] / p[n]:.2f}x)" if n in p else "-" for n in variants)
+        cells = " | ".join(f"{1e3 * p[n]:.2f} ({p['ZB-V'] / p[n]:.3f}x)" if n in p else "-" for n in variants)
         lines.append(f"| {r['P']} | {r['M']} | {r['scenario']} | {1e3 * p['1F1B-flush']:.2f} | {1e3 * p['ZB-V']:.2f} "
                      f"| {cells} |")
     return "\n".join(lines)
