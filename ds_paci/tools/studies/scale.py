@@ -1,6 +1,6 @@
 """On paper, past one machine: PACI, DeepSpeed's 1F1B-flush and ZB-V at P = 16..64 under a link model.
 
-    python -m ds_paci.tools.studies.scale --stages 16 32 64 --out docs/results/scale.md
+    python -m ds_paci.tools.studies.scale --stages 16 32 64 --out /tmp/scale_table.md
 
 Public contract:
 
@@ -227,8 +227,12 @@ def main(argv=None):
     p.add_argument("--blocks-per-stage", type=int, default=2)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["PACI"],
                    help="PACI variants to time (more than PACI: the variants table instead)")
+    p.add_argument("--step-phases", nargs="+", choices=["aligned", "diagonal"],
+                   help="the older spelling: --variants PACI (aligned) and diagonal")
     p.add_argument("--out", help="also write the table (markdown) here")
     args = p.parse_args(argv)
+    if args.step_phases:
+        args.variants = [{"aligned": "PACI", "diagonal": "diagonal"}[x] for x in args.step_phases]
     data = []
     for P in args.stages:
         for factor in args.micro_batch_factors:
