@@ -74,3 +74,19 @@ def test_64_stages_and_gpt2_medium_shapes():
     assert free["compute_share"]["PACI"] == pytest.approx(1.0)
     assert free["vs_1f1b"]["PACI"] == pytest.approx((4 + 4 - 1) / 4)  # the ideal (M+P-1)/M
     assert linked["period_s"]["PACI"] > free["period_s"]["PACI"]
+
+
+def test_scale_variants_rows_and_table(tmp_path):
+    linked, dp = scale.rows([4], (0.5, ), ("ib200", "ib100-dp4"), variants=tuple(scale.VARIANTS))
+    assert linked["M"] == dp["M"] == 2
+    assert "diagonal+overlap" not in linked["period_s"] and "diagonal+nb" in linked["period_s"]
+    p = dp["period_s"]
+    # each change removes a cost the previous one paid: reduces in sequence, the reduce at the step, blocking sends
+    assert p["PACI"] > p["diagonal"] > p["diagonal+overlap"] > p["diagonal+overlap+nb"]
+    assert p["diagonal"] > p["diagonal+nb"] > p["diagonal+overlap+nb"]
+    table = scale.variants_markdown([linked, dp], list(scale.VARIANTS))
+    assert table.count("\n") == 3 and "| - |" in table and "x)" in table
+    out = tmp_path / "t.md"
+    assert scale.main(["--stages", "2", "--micro-batch-factors", "1", "--scenarios", "ib200", "--variants", "PACI",
+                       "diagonal+nb", "--out", str(out)]) == 0
+    assert out.read_text().count("| 2 | 2 | ib200 |") == 1

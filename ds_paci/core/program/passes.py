@@ -22,11 +22,22 @@ that executes. Each pass is a pure function from ticks to new ticks (actions are
   engine runs the data-parallel reduce of that window under it (:mod:`ds_paci.core.step.overlap`). A step with
   no backward before it in the call (a closing drain of a window whose backwards ran in earlier calls) reduces
   at the step, as without the overlap. Runs last, so it sees the steps where the other passes put them.
+* :func:`hoist_sends` (``"paci": {"nonblocking_transfers": true}``): each ``SEND_ACT`` moves right after its
+  ``FORWARD`` and each ``SEND_GRAD`` right after its ``BACKWARD`` (so before the ``ACC``, ``TPOST``, ``TAPPLY``
+  and ``STEP`` that follow it): the engine issues them as non-blocking sends there
+  (:mod:`ds_paci.core.engine.transfers`). A send whose forward or backward ran in an earlier call (the stream puts
+  a send one tick after its compute, which may be the next call's first tick) moves to the front of the call:
+  nothing of the program runs between the two. Only the position of each send changes: the sends of each kind
+  keep their order, so the pairing with the neighbour's receives is the same. Blocking sends must not run in
+  this order (a stage would send ahead of the receive its neighbour posts only after a send of its own).
 """
 
 from .actions import Action, Kind
 
-__all__ = ["defer_steps", "defer_tied_last_step", "add_tied_exchange", "mark_reduce_backward", "lower_call"]
+__all__ = ["defer_steps", "defer_tied_last_step", "add_tied_exchange", "mark_reduce_backward", "hoist_sends",
+           "lower_call"]
+
+_SENT_AFTER = {Kind.SEND_ACT: Kind.FORWARD, Kind.SEND_GRAD: Kind.BACKWARD}
 
 
 def defer_steps(ticks):
@@ -103,18 +114,44 @@ def mark_reduce_backward(ticks):
     return out
 
 
-def lower_call(ticks, drain_ticks=None, *, sync_steps=False, tied=None, carry=False, overlap_reduce=False):
+def hoist_sends(ticks):
+    """Each send right after the forward or backward it sends the result of; a send of an earlier call's compute
+    first in the call (see the module docstring). Ticks keep their number (a tick may become empty)."""
+    computed = {(a.kind, a.micro_batch) for tick in ticks for a in tick if a.kind in _SENT_AFTER.values()}
+    sends = {(a.kind, a.micro_batch) for tick in ticks for a in tick if a.kind in _SENT_AFTER}
+    orphans, out = [], []
+    for tick in ticks:
+        row = []
+        for a in tick:
+            if a.kind in _SENT_AFTER:
+                if (_SENT_AFTER[a.kind], a.micro_batch) not in computed:
+                    orphans.append(a)
+                continue
+            row.append(a)
+            for send, after in _SENT_AFTER.items():
+                if a.kind is after and (send, a.micro_batch) in sends:
+                    row.append(Action(a.stage, send, micro_batch=a.micro_batch))
+        out.append(row)
+    if orphans:
+        out[0] = orphans + out[0]
+    return out
+
+
+def lower_call(ticks, drain_ticks=None, *, sync_steps=False, tied=None, carry=False, overlap_reduce=False,
+               nonblocking=False):
     """One call's program for one stage: the stream's ``ticks`` (``advance``), then ``drain_ticks`` if the call
     drains, with the passes the stage needs.
 
-    ``sync_steps``: :func:`defer_steps` over the whole call. ``tied``: ``(pending, lag)`` on a tied owner in
-    async mode: :func:`defer_tied_last_step` over the drain, then :func:`add_tied_exchange` over the call.
-    ``overlap_reduce``: :func:`mark_reduce_backward` last.
+    ``nonblocking``: :func:`hoist_sends` over the whole call first. ``sync_steps``: :func:`defer_steps` over the
+    whole call. ``tied``: ``(pending, lag)`` on a tied owner in async mode: :func:`defer_tied_last_step` over the
+    drain, then :func:`add_tied_exchange` over the call. ``overlap_reduce``: :func:`mark_reduce_backward` last.
     """
     drain_ticks = list(drain_ticks or [])
     if tied is not None and drain_ticks:
         drain_ticks = defer_tied_last_step(drain_ticks, carry)
     program = list(ticks) + drain_ticks
+    if nonblocking:
+        program = hoist_sends(program)
     if sync_steps:
         program = defer_steps(program)
     if tied is not None:

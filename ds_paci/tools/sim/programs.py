@@ -3,6 +3,7 @@ published bubble formulas and the comparison rows :mod:`ds_paci.tools.sim.simula
 
 from deepspeed.runtime.pipe.schedule import TrainSchedule
 
+from ds_paci.core.program.passes import lower_call
 from ds_paci.core.program.stream import PACIStream, step_phase
 
 from .cost import CostModel
@@ -24,10 +25,13 @@ def stock_programs(stages, micro_batches, batches=1):
     return programs
 
 
-def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, phase="aligned"):
+def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, phase="aligned", nonblocking=False):
     """PACI streams per stage: ``calls`` times ``advance(2*M)`` (one ``train_batch`` each), then ``drain()``.
 
     ``phase``: the engine's ``paci.step_phase`` (``"aligned"`` or ``"diagonal"``, :mod:`ds_paci.core.program.stream`).
+    ``nonblocking``: each call (and the drain) lowered as the engine lowers it for non-blocking transfers,
+    ``lower_call(..., nonblocking=True)`` (:mod:`ds_paci.core.program.passes`: sends hoisted); time it with
+    ``simulate(..., transfers="nonblocking")``.
 
     The drain (if any) starts at tick ``2 * micro_batches * calls`` on every stage. ``tied`` (a
     :class:`~ds_paci.tools.sim.tied.TiedExchange`): the program in actions with the tied exchange placed on it
@@ -35,12 +39,13 @@ def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, p
     """
     streams = [PACIStream(stages, s, window, micro_batches, step_phase(phase, s, window)) for s in range(stages)]
     programs = [[] for _ in range(stages)]
+    lower = (lambda ticks: lower_call(ticks, nonblocking=True)) if nonblocking else list
     for _ in range(calls):
         for s, stream in enumerate(streams):
-            programs[s].extend(stream.advance(2 * micro_batches))
+            programs[s].extend(lower(stream.advance(2 * micro_batches)))
     if drain:
         for s, stream in enumerate(streams):
-            programs[s].extend(stream.drain())
+            programs[s].extend(lower(stream.drain()))
     if tied is not None:
         return add_tied_exchange(programs, tied)
     return programs
@@ -51,34 +56,42 @@ def simulate_stock(stages, micro_batches, batches=1, cost=None):
     return simulate(stock_programs(stages, micro_batches, batches), cost)
 
 
-def simulate_schedule(schedule, stages, micro_batches, window=None, calls=1, cost=None, phase="aligned"):
+def simulate_schedule(schedule, stages, micro_batches, window=None, calls=1, cost=None, phase="aligned",
+                      transfers="blocking"):
     """``(result, title)`` of simulating ``schedule`` ("paci" or "stock"), for timelines and reports."""
     if schedule == "paci":
-        result = simulate_paci(stages, micro_batches, window, calls, cost, phase)
-        label = f"PACI a={window or micro_batches}" + ("" if phase == "aligned" else f" {phase}")
+        result = simulate_paci(stages, micro_batches, window, calls, cost, phase, transfers)
+        label = (f"PACI a={window or micro_batches}" + ("" if phase == "aligned" else f" {phase}") +
+                 ("" if transfers == "blocking" else f" {transfers}"))
     else:
         result, label = simulate_stock(stages, micro_batches, calls, cost), "stock 1F1B-flush"
     return result, f"simulated {label}, P={stages}, M={micro_batches}, {calls} calls"
 
 
-def simulate_paci(stages, micro_batches, window=None, calls=1, cost=None, phase="aligned"):
-    """:func:`simulate` of :func:`paci_programs` (``window`` defaults to ``micro_batches``), steady state measured."""
+def simulate_paci(stages, micro_batches, window=None, calls=1, cost=None, phase="aligned", transfers="blocking"):
+    """:func:`simulate` of :func:`paci_programs` (``window`` defaults to ``micro_batches``), steady state measured.
+
+    ``transfers="nonblocking"``: the program the engine runs with non-blocking transfers (sends hoisted), timed
+    with them (:mod:`ds_paci.tools.sim.nonblocking`)."""
     window = window or micro_batches
-    programs = paci_programs(stages, micro_batches, window, calls, phase=phase)
-    return simulate(programs, cost, drain_tick=2 * micro_batches * calls)
+    nonblocking = transfers == "nonblocking"
+    programs = paci_programs(stages, micro_batches, window, calls, phase=phase, nonblocking=nonblocking)
+    # the hoisting pass keeps every tick in place, so the drain still starts at this tick
+    return simulate(programs, cost, drain_tick=2 * micro_batches * calls, transfers=transfers)
 
 
-def long_run_period(schedule, stages, micro_batches, window=None, calls=4, cost=None, phase="aligned"):
+def long_run_period(schedule, stages, micro_batches, window=None, calls=4, cost=None, phase="aligned",
+                    transfers="blocking"):
     """Long-run time per micro-batch: ``(makespan(2N) - makespan(N)) / (N*M)`` with ``N = calls``.
 
     The difference of two run lengths cancels the one-off fill and drain, so this is
     the asymptotic period of an unbounded run. ``schedule`` is ``"paci"`` or ``"stock"``; ``phase``: PACI's step
-    phase.
+    phase; ``transfers``: PACI's transfers (``"blocking"`` or ``"nonblocking"``, :func:`simulate_paci`).
     """
 
     def makespan(n):
         if schedule == "paci":
-            result = simulate_paci(stages, micro_batches, window, n, cost, phase)
+            result = simulate_paci(stages, micro_batches, window, n, cost, phase, transfers)
         elif schedule == "stock":
             result = simulate_stock(stages, micro_batches, n, cost)
         else:

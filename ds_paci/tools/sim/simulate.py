@@ -7,6 +7,7 @@ The simulator is split by responsibility; this module keeps them importable from
 * :mod:`ds_paci.tools.sim.tied`: :class:`TiedExchange` and the pass placing the tied exchange on a program;
 * :mod:`ds_paci.tools.sim.simulator`: :func:`simulate` (a timing handler of :mod:`ds_paci.core.program.interpreter`, the
   one interpreter of programs) and its results (:class:`SimResult`, :class:`Event`, :class:`Deadlock`, ...);
+* :mod:`ds_paci.tools.sim.nonblocking`: the non-blocking transfers (``simulate(..., transfers="nonblocking")``);
 * :mod:`ds_paci.tools.sim.programs`: stock and PACI programs, long-run periods, the published reference
   formulas and the comparison table.
 """

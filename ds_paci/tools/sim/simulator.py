@@ -19,6 +19,9 @@ order, tick boundaries are not barriers, p2p actions are blocking rendezvous (FI
   step waits for every owner's last post. The time an owner spends there is ``tied_wait`` (the last step's
   separately, ``tied_drain_wait``).
 
+With ``transfers="nonblocking"`` the program runs under :func:`~ds_paci.tools.sim.nonblocking.run_nonblocking`
+instead (isend/irecv: a send never holds its stage; see that module); everything else is the same.
+
 Micro-batch ids of paired p2p actions must agree; disagreements are reported as mismatches. ``STEP`` (PACI's
 local step, DeepSpeed's ``OptimizerStep``) counts as a weight version (drift is measured in those).
 """
@@ -33,6 +36,7 @@ from ds_paci.core.program.interpreter import Handler, run_program
 
 from .records import COMPUTE_KINDS, instr_text
 from .cost import CostModel
+from .nonblocking import run_nonblocking
 from .tied import add_tied_exchange
 
 __all__ = ["Event", "StuckStage", "Deadlock", "DeadlockError", "PairingError", "SimResult", "simulate"]
@@ -220,6 +224,16 @@ class _Timing(Handler):
             st.ends.append(end)
         return end
 
+    # the non-blocking transfers' hooks (:func:`~ds_paci.tools.sim.nonblocking.run_nonblocking`)
+    def transfer_time(self, sender, receiver):
+        return self.cost.transfer_time(sender, receiver)
+
+    def waited(self, stage, action, start, end):
+        self.stages[stage].events.append(Event(start, end, "sends" if action is None else instr_text(action), "wait"))
+
+    def ended(self, stage, action, end):
+        self.stages[stage].ends.append(end)
+
     def tied_wait(self, stage, action, now, posts):
         st = self.stages[stage]
         until = max([now] + list(posts.values()))
@@ -238,7 +252,7 @@ class _Timing(Handler):
 # -- the simulation ---------------------------------------------------------------------
 
 
-def simulate(programs, cost=None, *, drain_tick=None, tied=None):
+def simulate(programs, cost=None, *, drain_tick=None, tied=None, transfers="blocking"):
     """Simulate ``programs`` (``programs[s]`` = stage ``s``'s list of ticks) under ``cost``.
 
     ``programs`` hold :class:`~ds_paci.core.program.actions.Action` ticks; a stage of DeepSpeed instructions (its own
@@ -257,7 +271,13 @@ def simulate(programs, cost=None, *, drain_tick=None, tied=None):
 
     ``tied`` (a :class:`~ds_paci.tools.sim.tied.TiedExchange`) adds the tied-weight exchange (see the module
     docstring); a program that already carries ``TPOST``/``TAPPLY`` actions is timed with them as it is.
+
+    ``transfers``: ``"blocking"`` (the module docstring's rendezvous, DeepSpeed's ``p2p.send``/``recv``) or
+    ``"nonblocking"`` (isend/irecv, :mod:`ds_paci.tools.sim.nonblocking`: a send never occupies a stage, at most one
+    in flight per link, receives posted one ahead; no tied exchange).
     """
+    if transfers not in ("blocking", "nonblocking"):
+        raise ValueError(f"transfers must be 'blocking' or 'nonblocking', got {transfers!r}")
     cost = cost or CostModel()
     program = [ticks if all(isinstance(a, Action) for tick in ticks for a in tick) else from_deepspeed(s, ticks)
                for s, ticks in enumerate(programs)]
@@ -266,7 +286,7 @@ def simulate(programs, cost=None, *, drain_tick=None, tied=None):
     has_tied = tied is not None or any(a.kind is Kind.TIED_APPLY for ticks in program for t in ticks for a in t)
     P = len(program)
     timing = _Timing(P, cost)
-    run = run_program(program, timing)
+    run = run_program(program, timing) if transfers == "blocking" else run_nonblocking(program, timing)
     deadlock = None
     if run.stuck:
         deadlock = Deadlock(time=run.deadlock_time,

@@ -1,6 +1,6 @@
 """On paper, past one machine: PACI, DeepSpeed's 1F1B-flush and ZB-V at P = 16..64 under a link model.
 
-    python -m ds_paci.tools.studies.scale --stages 16 32 64 --out docs/results/scale.md
+    python -m ds_paci.tools.studies.scale --stages 16 32 64 --out /tmp/scale_table.md
 
 Public contract:
 
@@ -19,17 +19,23 @@ Public contract:
   asynchronously); each step ends with the rank's optimizer step (plus its data-parallel all-reduce).
 * PACI and 1F1B-flush run through :func:`ds_paci.tools.sim.simulate.long_run_period` with ``CostModel(links=...)``:
   the very streams the engines execute, transfers blocking both sides as DeepSpeed's are.
+* :data:`VARIANTS`: PACI as configured today (``"PACI"``: aligned steps, blocking transfers), and with the
+  ``"diagonal"`` step phase (:mod:`ds_paci.core.program.stream`), the all-reduce overlapped with the window's last
+  backward (``+overlap``, only where there is data parallelism) and the engine's non-blocking program (``+nb``:
+  ``paci_programs(..., nonblocking=True)`` timed with ``transfers="nonblocking"``, :mod:`ds_paci.tools.sim.nonblocking`).
 * :func:`rows` / :func:`markdown`: time per micro-batch, throughput relative to 1F1B-flush, and the share of
-  time spent computing, per (P, M, link scenario). ``--step-phases aligned diagonal`` adds PACI under the
-  ``"diagonal"`` step phase (``PACI diagonal``; :mod:`ds_paci.core.program.stream`) and prints
-  :func:`phase_markdown`, the PACI phases next to ZB-V.
+  time spent computing, per (P, M, link scenario); with ``--variants`` beyond ``PACI``, :func:`variants_markdown`:
+  every variant's time and its ratio to ZB-V.
+
+    python -m ds_paci.tools.studies.scale --stages 16 32 64 --micro-batch-factors 0.5 1 4 \
+        --scenarios free ib200 ib100-dp4 --variants PACI diagonal diagonal+overlap diagonal+nb diagonal+overlap+nb
 """
 
 import argparse
 import sys
 import types
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..sim.links import Link, LinkModel
 from ..sim.simulate import CostModel, long_run_period
@@ -149,22 +155,37 @@ def zbv_period(ranks, micro_batches, chunk, links=None, steps=2, step=0.0):
 
 
 # -- the table ------------------------------------------------------------------------------------------
+# PACI variants: label -> (paci.step_phase, all-reduce overlapped with the window's last backward, transfers)
+VARIANTS = {
+    "PACI": ("aligned", False, "blocking"),
+    "diagonal": ("diagonal", False, "blocking"),
+    "diagonal+overlap": ("diagonal", True, "blocking"),
+    "diagonal+nb": ("diagonal", False, "nonblocking"),
+    "diagonal+overlap+nb": ("diagonal", True, "nonblocking"),
+}
+
+
 def rows(stages, micro_batch_factors=(1, 4), scenarios=tuple(SCENARIOS), shape=BlockShape(), flops_per_s=100e12,
-         blocks_per_stage=2, calls=2, phases=("aligned", )):
-    """One row per (P, M, scenario): seconds per micro-batch of 1F1B-flush, PACI and ZB-V, and derived ratios."""
+         blocks_per_stage=2, calls=2, variants=("PACI", )):
+    """One row per (P, M, scenario): seconds per micro-batch of 1F1B-flush, each PACI variant (:data:`VARIANTS`;
+    an overlap variant only where there is a data-parallel reduce) and ZB-V, and derived ratios."""
     f = stage_costs(shape, flops_per_s)
     out = []
     for P in stages:
         for factor in micro_batch_factors:
-            M = factor * P
+            M = max(1, int(round(factor * P)))
             for name in scenarios:
                 links = link_model(name, shape, blocks_per_stage)
                 cost = CostModel(forward=blocks_per_stage * f, backward=2 * blocks_per_stage * f, links=links)
                 per = blocks_per_stage / 2  # ZB-V: two chunks per rank, each half a stage
                 periods = {"1F1B-flush": long_run_period("stock", P, M, cost=cost, calls=calls)}
-                for phase in phases:
-                    label = "PACI" if phase == "aligned" else f"PACI {phase}"
-                    periods[label] = long_run_period("paci", P, M, M, calls=calls, cost=cost, phase=phase)
+                for label in variants:
+                    phase, overlap, transfers = VARIANTS[label]
+                    if overlap and (links is None or links.dp == 1 or links.overlap):
+                        continue
+                    c = replace(cost, links=replace(links, overlap=True)) if overlap else cost
+                    periods[label] = long_run_period("paci", P, M, M, calls=calls, cost=c, phase=phase,
+                                                     transfers=transfers)
                 periods["ZB-V"] = zbv_period(P, M, (per * f, per * f, per * f), links)
                 compute = 3 * blocks_per_stage * f
                 out.append({"P": P, "M": M, "scenario": name, "period_s": periods,
@@ -184,36 +205,44 @@ def markdown(table):
     return "\n".join(lines)
 
 
-def phase_markdown(table):
-    """PACI per step phase next to ZB-V: ms per micro-batch and the ratio to ZB-V (ZB-V's time over PACI's)."""
-    names = [k for k in table[0]["period_s"] if k.startswith("PACI")]
-    head = " | ".join(f"{n} ms/mb | {n} / ZB-V" for n in names)
-    lines = [f"| P | M | links | ZB-V ms/mb | {head} |", "|---:|---:|---|---:|" + "---:|---:|" * len(names)]
+def variants_markdown(table, variants):
+    """1F1B-flush, ZB-V and every PACI variant: ms per micro-batch, each PACI cell with its ratio to ZB-V (ZB-V's
+    time over PACI's, above 1: PACI faster); ``-`` where a variant does not apply."""
+    head = " | ".join(variants)
+    lines = [f"| P | M | links | 1F1B-flush | ZB-V | {head} |", "|---:|---:|---|---:|---:|" + "---:|" * len(variants)]
     for r in table:
         p = r["period_s"]
-        cells = " | ".join(f"{1e3 * p[n]:.2f} | {p['ZB-V'] / p[n]:.3f}" for n in names)
-        lines.append(f"| {r['P']} | {r['M']} | {r['scenario']} | {1e3 * p['ZB-V']:.2f} | {cells} |")
+        cells = " | ".join(f"{1e3 * p[n]:.2f} ({p['ZB-V'] / p[n]:.3f}x)" if n in p else "-" for n in variants)
+        lines.append(f"| {r['P']} | {r['M']} | {r['scenario']} | {1e3 * p['1F1B-flush']:.2f} | {1e3 * p['ZB-V']:.2f} "
+                     f"| {cells} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m ds_paci.tools.studies.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--micro-batch-factors", type=int, nargs="+", default=[1, 4], help="M = factor x P")
+    p.add_argument("--micro-batch-factors", type=float, nargs="+", default=[1, 4], help="M = factor x P")
     p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--tflops", type=float, default=100.0, help="device speed (effective TFLOP/s)")
     p.add_argument("--blocks-per-stage", type=int, default=2)
-    p.add_argument("--step-phases", nargs="+", choices=["aligned", "diagonal"], default=["aligned"],
-                   help="PACI's paci.step_phase values to time (more than aligned: the phase table instead)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["PACI"],
+                   help="PACI variants to time (more than PACI: the variants table instead)")
+    p.add_argument("--step-phases", nargs="+", choices=["aligned", "diagonal"],
+                   help="the older spelling: --variants PACI (aligned) and diagonal")
     p.add_argument("--out", help="also write the table (markdown) here")
     args = p.parse_args(argv)
-    data = rows(args.stages, args.micro_batch_factors, args.scenarios, flops_per_s=args.tflops * 1e12,
-                blocks_per_stage=args.blocks_per_stage, phases=tuple(args.step_phases))
-    table = markdown(data) if args.step_phases == ["aligned"] else phase_markdown(data)
+    if args.step_phases:
+        args.variants = [{"aligned": "PACI", "diagonal": "diagonal"}[x] for x in args.step_phases]
+    data = []
+    for P in args.stages:
+        for factor in args.micro_batch_factors:
+            data += rows([P], [factor], args.scenarios, flops_per_s=args.tflops * 1e12,
+                         blocks_per_stage=args.blocks_per_stage, variants=tuple(args.variants))
+            table = markdown(data) if args.variants == ["PACI"] else variants_markdown(data, args.variants)
+            if args.out:  # written after every (P, M), so a long run leaves what it has
+                with open(args.out, "w") as f:
+                    f.write(table + "\n")
     print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
     return 0
 
 
