@@ -31,9 +31,15 @@ from typing import Tuple
 import torch
 import torch.distributed as tdist
 
-__all__ = ["Item", "plan", "run", "engine_items", "run_for"]
+__all__ = ["Item", "plan", "run", "engine_items", "run_for", "link_key"]
 
-PIPE, DATA_PARALLEL, TIED, LOSS_CHANNEL = 0, 1, 2, 3  # the first field of an item's key
+PIPE, DATA_PARALLEL, TIED, LOSS_CHANNEL, LINK = 0, 1, 2, 3, 4  # the first field of an item's key
+
+
+def link_key(direction, a, b):
+    """The key of the two-rank group of non-blocking transfers between ranks ``a`` and ``b`` in ``direction``
+    (``"act"`` or ``"grad"``; :mod:`ds_paci.core.engine.transfers`)."""
+    return (LINK, (min(a, b), max(a, b)), direction)
 
 
 @dataclass(frozen=True)
