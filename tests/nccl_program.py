@@ -194,8 +194,9 @@ def _nonblocking_call(me, s, d, program, rank, drains):
 
     Each link and direction has its two-rank group (:func:`link_group`). Receives: the call's first of each
     direction is posted at the call's start (the first activation's shape is received there first, on the default
-    group, as DeepSpeed does), the next when the current one is waited for, right before its compute; none crosses
-    the end of a call. Sends: an ``isend`` at the hoisted position, after waiting for the previous send on the same
+    group, as DeepSpeed does; a gradient's only once an activation was sent since the last reset, else at its
+    action), the next when the current one is waited for, right before its compute; none crosses the end of a
+    call. Sends: an ``isend`` at the hoisted position, after waiting for the previous send on the same
     link; the last one of each link is waited for at the end of a call that drains."""
     actions = [a for tick in program for a in tick]
     recvs = {kind: [n for n, a in enumerate(actions) if a.kind is kind] for kind in (Kind.RECV_ACT, Kind.RECV_GRAD)}
@@ -212,8 +213,9 @@ def _nonblocking_call(me, s, d, program, rank, drains):
             posted[kind] = _queue(into, me, "irecv", peer, link_group(name, me.rank, peer, me.groups),
                                   ("train", name == "act", a.micro_batch))
 
-    for kind in recvs:
-        post(kind, 0, start)
+    for kind in recvs:  # a gradient's buffers take their shapes from an activation sent since the last reset
+        if kind is Kind.RECV_ACT or me.sent_meta:
+            post(kind, 0, start)
     for n, a in enumerate(actions):
         if a.kind not in _LINK:
             continue
@@ -222,6 +224,8 @@ def _nonblocking_call(me, s, d, program, rank, drains):
         peer = rank[(s + step, d)]
         group = link_group(name, me.rank, peer, me.groups)
         if a.kind in recvs:
+            if a.kind not in posted:
+                post(a.kind, recvs[a.kind].index(n), ops)
             ops.append(("block", posted.pop(a.kind)))
             post(a.kind, recvs[a.kind].index(n) + 1, ops)
             continue

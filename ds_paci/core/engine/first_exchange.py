@@ -100,7 +100,8 @@ def run(items, me, device):
 
 def engine_items(engine, loss_group):
     """Every group ``engine``'s rank communicates on: its pipeline neighbours (the default group), its data-parallel
-    group, its tied-owner groups (``engine._tied``) and its loss side channel (``loss_group``: ``(group, ranks)`` of
+    group, its tied-owner groups (``engine._tied``), its non-blocking transfers' link groups (``engine._transfers``)
+    and its loss side channel (``loss_group``: ``(group, ranks)`` of
     :func:`~ds_paci.core.engine.loss_channel.pipeline_groups`)."""
     items = []
     me, stage = engine.global_rank, engine.stage_id
@@ -115,6 +116,8 @@ def engine_items(engine, loss_group):
     for ex in (engine._tied.exchanges if engine._tied is not None else ()):
         ranks = tuple(sorted(ex.ranks))
         items.append(Item((TIED, ranks), ranks, "pairs", ex.group))
+    if getattr(engine, "_transfers", None) is not None:  # the non-blocking transfers' two-rank link groups
+        items += engine._transfers.items()
     group, ranks = loss_group
     if group is not None:
         ranks = tuple(sorted(ranks))
