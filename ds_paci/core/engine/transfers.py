@@ -78,6 +78,7 @@ class Transfers:
         self.posted = {}  # receive kind -> (works, buffers)
         self.pending = {}  # receive kind -> buffer ids still to post in this call
         self.stats = {"sends": 0, "receives": 0}
+        self._grad_shapes = None  # the floating outputs' (size, dtype): a gradient receive's buffers
 
     def _peer(self, kind):
         direction, step = _DIRECTION[kind]
@@ -102,7 +103,7 @@ class Transfers:
         self.pending = {kind: [a.micro_batch % nbuf for a in actions if a.kind is kind]
                         for kind in (Kind.RECV_ACT, Kind.RECV_GRAD)}
         self._post(Kind.RECV_ACT)
-        if not ds.p2p_field(self.engine, "first_output_send"):
+        if self._grad_shapes is not None and not ds.p2p_field(self.engine, "first_output_send"):
             self._post(Kind.RECV_GRAD)
 
     def drain(self):
