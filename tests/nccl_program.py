@@ -49,8 +49,9 @@ def windows_of(P, M, window, owners, sync):
     return [window or M] * P
 
 
-def lowered_calls(P, M, window, calls, owners=(), sync=False):
-    """``[(call, [stage s's lowered program])]``, as the engine lowers each call."""
+def lowered_calls(P, M, window, calls, owners=(), sync=False, nonblocking=False):
+    """``[(call, [stage s's lowered program])]``, as the engine lowers each call (``nonblocking``: the engine's
+    ``"nonblocking_transfers"``, which sync mode ignores)."""
     windows = windows_of(P, M, window, owners, sync)
     streams = [PACIStream(P, s, windows[s], M) for s in range(P)]
     stock = [sync and windows[s] == M for s in range(P)]
@@ -67,7 +68,8 @@ def lowered_calls(P, M, window, calls, owners=(), sync=False):
             tied = None
             if s in pending and not stock[s]:
                 tied = (list(pending[s]), tied_lag(P, owners, windows[s]))
-            program = lower_call(ticks, drain, sync_steps=stock[s], tied=tied, carry=carry)
+            program = lower_call(ticks, drain, sync_steps=stock[s], tied=tied, carry=carry,
+                                 nonblocking=nonblocking and not sync)
             if tied is not None:
                 for a in (a for tick in program for a in tick):
                     if a.kind is Kind.TIED_POST:
@@ -87,6 +89,7 @@ class _Rank:
         self.sent_meta = self.got_meta = False
         self.evals = self.calls = 0
         self.tied_sends, self.tied_recvs = {}, {}  # window -> {peer: op id}
+        self.in_flight = {}  # non-blocking transfers: (direction, peer) -> the op id of its send not yet waited for
 
     def op(self, kind, peer, group="default", what=None):
         op_id = (next(self._ids), what)
@@ -104,9 +107,20 @@ class _Rank:
         self.ops.append(("sync",))
 
 
-def derive(P, M, window, calls, D=1, owners=(), sync=False, startup="ours"):
-    """``{rank: operations}`` for the run (see the module docstring); ``startup``: ``"ours"`` or ``"deepspeed"``."""
-    lowered, windows = lowered_calls(P, M, window, calls, owners, sync)
+def link_group(kind, a, b, groups="link"):
+    """The group of non-blocking transfers between ranks ``a`` and ``b`` in one direction (``"act"``: towards the
+    later stage, ``"grad"``: towards the earlier one). ``groups``: ``"link"`` (the engine's: a two-rank group per
+    link and direction), or the orders it replaces: ``"one"`` (the default group), ``"direction"`` (one group for
+    all activations, one for all gradients)."""
+    return {"link": f"{kind}{min(a, b)}-{max(a, b)}", "direction": kind, "one": "default"}[groups]
+
+
+def derive(P, M, window, calls, D=1, owners=(), sync=False, startup="ours", nonblocking=False, groups="link"):
+    """``{rank: operations}`` for the run (see the module docstring); ``startup``: ``"ours"`` or ``"deepspeed"``;
+    ``nonblocking``: ``"paci": {"nonblocking_transfers": true}`` (async mode only; :func:`_nonblocking_call`), its
+    transfers on ``groups`` (:func:`link_group`; only ``"link"`` groups get a start-up exchange of their own)."""
+    nonblocking = nonblocking and not sync
+    lowered, windows = lowered_calls(P, M, window, calls, owners, sync, nonblocking)
     ids = itertools.count()
     rank = {(s, d): s * D + d for s in range(P) for d in range(D)}
     ranks = {r: _Rank(r, ids) for r in rank.values()}
@@ -116,6 +130,7 @@ def derive(P, M, window, calls, D=1, owners=(), sync=False, startup="ours"):
     lags = [tied_lag(P, owners, w) for w in windows] if owners else None
     for (s, d), r in rank.items():
         me = ranks[r]
+        me.groups = groups
         prev, nxt = rank.get((s - 1, d)), rank.get((s + 1, d))
         for first, peer in ((True, nxt), (False, prev)) if s % 2 == 0 else ((False, prev), (True, nxt)):
             if peer is not None:  # DeepSpeed's constructor: "Initialize pipeline communicators. Just send a 0."
@@ -126,6 +141,11 @@ def derive(P, M, window, calls, D=1, owners=(), sync=False, startup="ours"):
                      for a, b in ((r, nxt), (prev, r)) if a is not None and b is not None]
             items.append(first_exchange.Item((first_exchange.DATA_PARALLEL, tuple(dp[s])), tuple(dp[s]), "collective",
                                              f"dp{s}"))
+            if nonblocking and groups == "link":
+                items += [first_exchange.Item(first_exchange.link_key(kind, a, b), (a, b), "pairs",
+                                              link_group(kind, a, b))
+                          for a, b in ((r, nxt), (prev, r)) if a is not None and b is not None
+                          for kind in ("act", "grad")]
             if s in owners:
                 items.append(first_exchange.Item((first_exchange.TIED, tuple(tied[d])), tuple(tied[d]), "pairs",
                                                  f"tied{d}"))
@@ -140,7 +160,7 @@ def derive(P, M, window, calls, D=1, owners=(), sync=False, startup="ours"):
     for call, programs in lowered:
         for (s, d), r in rank.items():
             _call(ranks[r], s, d, P, M, call, programs[s], rank, dp, pipe, tied, sync, windows[s] == M,
-                  lags[s] if lags else None)
+                  lags[s] if lags else None, nonblocking)
     return {r: x.ops for r, x in ranks.items()}
 
 
@@ -164,14 +184,84 @@ def _p2p(me, a, s, d, rank, phase="train"):
         me.op("recv", rank[(s + 1, d)], what=what)
 
 
-def _call(me, s, d, P, M, call, program, rank, dp, pipe, tied, sync, full_window, lag):
+_LINK = {Kind.SEND_ACT: ("act", +1), Kind.RECV_ACT: ("act", -1), Kind.SEND_GRAD: ("grad", -1),
+         Kind.RECV_GRAD: ("grad", +1)}
+
+
+def _nonblocking_call(me, s, d, program, rank, drains):
+    """The engine's non-blocking transfers (:mod:`ds_paci.core.engine.transfers`) over one call's ``program``:
+    ``{action index: [operations]}`` to issue at each transfer action, and the operations at the end of the call.
+
+    Each link and direction has its two-rank group (:func:`link_group`). Receives: the call's first of each
+    direction is posted at the call's start (the first activation's shape is received there first, on the default
+    group, as DeepSpeed does; a gradient's only once an activation was sent since the last reset, else at its
+    action), the next when the current one is waited for, right before its compute; none crosses the end of a
+    call. Sends: an ``isend`` at the hoisted position, after waiting for the previous send on the same
+    link; the last one of each link is waited for at the end of a call that drains."""
+    actions = [a for tick in program for a in tick]
+    recvs = {kind: [n for n, a in enumerate(actions) if a.kind is kind] for kind in (Kind.RECV_ACT, Kind.RECV_GRAD)}
+    posted, at, start = {}, {}, []
+
+    def post(kind, index, into):
+        if index < len(recvs[kind]):
+            a = actions[recvs[kind][index]]
+            name, step = _LINK[kind]
+            peer = rank[(s + step, d)]
+            if kind is Kind.RECV_ACT and not me.got_meta:
+                me.got_meta = True
+                into.append(("block", _queue(into, me, "recv", peer, "default", ("train", "shape"))))
+            posted[kind] = _queue(into, me, "irecv", peer, link_group(name, me.rank, peer, me.groups),
+                                  ("train", name == "act", a.micro_batch))
+
+    for kind in recvs:  # a gradient's buffers take their shapes from an activation sent since the last reset
+        if kind is Kind.RECV_ACT or me.sent_meta:
+            post(kind, 0, start)
+    for n, a in enumerate(actions):
+        if a.kind not in _LINK:
+            continue
+        ops = at[n] = []
+        name, step = _LINK[a.kind]
+        peer = rank[(s + step, d)]
+        group = link_group(name, me.rank, peer, me.groups)
+        if a.kind in recvs:
+            if a.kind not in posted:
+                post(a.kind, recvs[a.kind].index(n), ops)
+            ops.append(("block", posted.pop(a.kind)))
+            post(a.kind, recvs[a.kind].index(n) + 1, ops)
+            continue
+        if a.kind is Kind.SEND_ACT and not me.sent_meta:
+            me.sent_meta = True
+            _queue(ops, me, "send", peer, "default", ("train", "shape"))
+        if (name, peer) in me.in_flight:
+            ops.append(("block", me.in_flight.pop((name, peer))))
+        me.in_flight[(name, peer)] = _queue(ops, me, "isend", peer, group, ("train", name == "act", a.micro_batch))
+    end = []
+    if drains:
+        end = [("block", op_id) for op_id in me.in_flight.values()]
+        me.in_flight.clear()
+    return start, at, end
+
+
+def _queue(into, me, kind, peer, group, what):
+    op_id = (next(me._ids), what)
+    into.append((kind, peer, op_id, group))
+    return op_id
+
+
+def _call(me, s, d, P, M, call, program, rank, dp, pipe, tied, sync, full_window, lag, nonblocking=False):
     owner = me.rank in tied[d]
     stock = sync and full_window
     peers = [q for q in tied[d] if q != me.rank]
     plan = {}  # the next step's TPOST/TAPPLY
-    for a in (a for tick in program for a in tick):
+    if nonblocking:
+        start, at, end = _nonblocking_call(me, s, d, program, rank, drains=call != "train")
+        me.ops += start
+    for n, a in enumerate(a for tick in program for a in tick):
         if a.kind in (Kind.SEND_ACT, Kind.RECV_ACT, Kind.SEND_GRAD, Kind.RECV_GRAD):
-            _p2p(me, a, s, d, rank)
+            if nonblocking:
+                me.ops += at[n]
+            else:
+                _p2p(me, a, s, d, rank)
         elif a.kind is Kind.LOAD:
             me.sync()
         elif a.kind is Kind.TIED_POST:
@@ -199,6 +289,8 @@ def _call(me, s, d, P, M, call, program, rank, dp, pipe, tied, sync, full_window
                             me.block(me.tied_sends[w][peer])
                         del me.tied_sends[w]
                 plan = {}
+    if nonblocking:
+        me.ops += end
     if owner and not stock and (call != "train" or sync):
         me.sync()  # finish_drain: every pending receive and send of the exchange is waited for
     if call == "eval":  # DeepSpeed's eval_batch: a new shape exchange, a barrier, its schedule, the loss broadcast
@@ -257,59 +349,3 @@ def deepspeed_train_schedule(P, M, batches=2, D=1, owners=()):
                 else:
                     _p2p(me, a, s, d, rank)
     return {r: x.ops for r, x in ranks.items()}
-
-
-def hoisted_nonblocking(P, M, window, calls, groups):
-    """A candidate order for non-blocking pipeline transfers (issue 27 item 3, step B; the engine does not run it
-    yet), per rank of one pipeline: each activation ``isend`` right after its forward, each gradient ``isend`` right
-    after its backward (before a step), each ``irecv`` posted one micro-batch ahead (the next is posted when the
-    current one is waited for, just before its forward or backward), at most one send in flight per link (the
-    previous send is waited for before the next is issued), the lowered program's ``LOAD`` and ``STEP`` host syncs.
-
-    ``groups``: ``"one"`` (every transfer on the default group), ``"direction"`` (one group for all activations, one
-    for all gradients), ``"link"`` (a two-rank group per link and direction, ``act<s>``: ``s -> s+1``, ``grad<s>``:
-    ``s+1 -> s``, each with its start-up exchange of :func:`first_exchange.plan`)."""
-    lowered, _ = lowered_calls(P, M, window, calls)
-    ids = itertools.count()
-
-    def group(kind, a, b):
-        low = min(a, b)
-        return {"one": "default", "direction": kind, "link": f"{kind}{low}"}[groups]
-
-    programs = {}
-    for s in range(P):
-        me = _Rank(s, ids)
-        if groups == "link":
-            items = [first_exchange.Item((first_exchange.PIPE, kind, low), (low, low + 1), "pairs", f"{kind}{low}")
-                     for low in (s - 1, s) if 0 <= low < P - 1 for kind in ("act", "grad")]
-            for op, peer, item in first_exchange.plan(items, s):
-                me.op(op, peer, item.group, ("first", item.key))
-        actions = [a for _, programs_ in lowered for tick in programs_[s] for a in tick]
-        order = {kind: [a.micro_batch for a in actions if a.kind is kind] for kind in (Kind.FORWARD, Kind.BACKWARD)}
-        posted, last_send = {}, {}
-        links = {Kind.FORWARD: (s - 1, s + 1, "act"), Kind.BACKWARD: (s + 1, s - 1, "grad")}
-
-        def post(kind, index):
-            src, _, name = links[kind]
-            if 0 <= src < P and index < len(order[kind]):
-                m = order[kind][index]
-                posted[(kind, m)] = me.op("irecv", src, group(name, s, src), (name, m))
-
-        for kind in links:
-            post(kind, 0)
-        for a in actions:
-            if a.kind in links:
-                src, dst, name = links[a.kind]
-                if 0 <= src < P:
-                    me.block(posted.pop((a.kind, a.micro_batch)))
-                    post(a.kind, order[a.kind].index(a.micro_batch) + 1)
-                if 0 <= dst < P:
-                    if name in last_send:
-                        me.block(last_send[name])
-                    last_send[name] = me.op("isend", dst, group(name, s, dst), (name, a.micro_batch))
-            elif a.kind in (Kind.LOAD, Kind.STEP):
-                me.sync()
-        for op_id in last_send.values():
-            me.block(op_id)
-        programs[s] = me.ops
-    return programs

@@ -6,11 +6,10 @@ Pure data, no process.
 
 import pytest
 
-from ds_paci.core.config import auto_window
+import nccl_program
 from ds_paci.core.program.actions import Kind, format_stage, parse_stage
 from ds_paci.core.program.passes import hoist_sends, lower_call
-from ds_paci.core.program.stream import PACIStream, step_phase
-from ds_paci.core.program.tied_timing import tied_lag
+from ds_paci.core.program.stream import PACIStream
 from ds_paci.core.program.validate import validate
 
 SENDS = {Kind.SEND_ACT: Kind.FORWARD, Kind.SEND_GRAD: Kind.BACKWARD}
@@ -44,30 +43,10 @@ def test_lower_call_hoists_only_when_asked_and_keeps_the_other_passes():
             assert parse_stage(format_stage(got), s) == got
 
 
-def _calls(P, M, window, calls, owners=(), sync=False, nonblocking=True):
-    """Every stage's lowered programs per call, as the engine lowers them (``"train"``, ``"eval"``, ``"close"``)."""
-    windows = [auto_window(P, M, None if owners or sync else s) if window == "auto" else window for s in range(P)]
-    streams = [PACIStream(P, s, windows[s], M, step_phase("aligned", s, windows[s])) for s in range(P)]
-    stock = [sync and w == M for w in windows]
-    pending = {s: [] for s in owners}
-    out = []
-    for call in calls:
-        row = []
-        for s, st in enumerate(streams):
-            if call == "train":
-                ticks, drain, carry = st.advance(2 * M), (st.drain(stock[s]) if sync else None), sync and not stock[s]
-            else:
-                ticks, drain, carry = [], st.drain(close_window=call == "close"), call != "close"
-            tied = (list(pending[s]), tied_lag(P, owners, windows[s])) if s in pending and not stock[s] else None
-            program = lower_call(ticks, drain, sync_steps=stock[s], tied=tied, carry=carry, nonblocking=nonblocking)
-            for a in (a for tick in program for a in tick):
-                if tied is not None and a.kind is Kind.TIED_POST:
-                    pending[s].append(a.version)
-                elif tied is not None and a.kind is Kind.TIED_APPLY:
-                    pending[s] = [w for w in pending[s] if w not in a.windows]
-            row.append(program)
-        out.append(row)
-    return out, windows
+def _calls(P, M, window, calls, owners=(), nonblocking=True):
+    """Every stage's lowered programs per call, as the engine lowers them (:func:`nccl_program.lowered_calls`)."""
+    lowered, windows = nccl_program.lowered_calls(P, M, window, calls, owners, nonblocking=nonblocking)
+    return [programs for _, programs in lowered], windows
 
 
 def _flat(calls, s):
@@ -77,12 +56,12 @@ def _flat(calls, s):
 @pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("M", [1, 2, 3, 8])
 @pytest.mark.parametrize("window", [1, 3, "auto"])
-@pytest.mark.parametrize("owners,sync", [((), False), ("tied", False), ((), True)])
-def test_hoisted_programs_validate_and_each_send_follows_its_compute(P, M, window, owners, sync):
+@pytest.mark.parametrize("owners", [(), "tied"])
+def test_hoisted_programs_validate_and_each_send_follows_its_compute(P, M, window, owners):
     owners = (0, P - 1) if owners == "tied" else owners
     script = ["train", "train", "eval", "train", "train", "close"]  # one segment: the validator reads it whole
-    hoisted, windows = _calls(P, M, window, script, owners, sync)
-    blocking, _ = _calls(P, M, window, script, owners, sync, nonblocking=False)
+    hoisted, windows = _calls(P, M, window, script, owners)
+    blocking, _ = _calls(P, M, window, script, owners, nonblocking=False)
     whole = [[tick for row in hoisted for tick in row[s]] for s in range(P)]
     # per stage and pairing; the tied timing check runs the program with rendezvous (blocking) transfers, in which
     # a hoisted order is not meant to run: the NCCL check (tests/test_nccl_order.py) covers the tied waits

@@ -10,7 +10,8 @@ stock step; ``a < M``: drained every call), and DeepSpeed's own ``TrainSchedule`
 for one window drawn per cell; the full window range of each P for a few M (the grid is sampled to keep the test
 under a few seconds per P; ``NCCL_ORDER_FULL=1`` runs every window of every cell). The look-ahead changes which
 weights a forward reads, never a transfer (its package issues no communication), so its program is the one checked.
-The last test checks a candidate order for non-blocking transfers (step B of the item) before it is built.
+The non-blocking transfers (``"nonblocking_transfers"``, step B of the item) are checked over the same grid, from the
+program lowered with :func:`ds_paci.core.program.passes.hoist_sends`.
 """
 
 import itertools
@@ -121,18 +122,25 @@ def test_the_start_up_order_is_one_global_order():
         plan([Item((0,), (0, 1), "bogus")], 0)
 
 
-def test_hoisted_nonblocking_transfers_need_a_group_per_link_and_direction():
-    """Step B's ordering, checked before it is built (:func:`nccl_program.hoisted_nonblocking`; the engine still uses
-    DeepSpeed's blocking transfers): with every transfer on one group, a receive posted ahead sits on the pair's
-    stream before a send the peer waits for, and the run deadlocks; one group per direction still deadlocks with one
-    stream per group (on 4 stages: a stage's receive from ``s-1`` is ahead of its send to ``s+1``); a two-rank group per link and
-    direction, each with its start-up exchange, completes in every mode."""
-    runs = [(P, M, window, calls) for P in (2, 3, 4, 6) for M in (1, 4, 8) for window in (1, P, None)
-            for calls in (CALLS["train"], CALLS["eval-save"])]
-    for P, M, window, calls in runs:
-        check(nccl_program.hoisted_nonblocking(P, M, window, calls, "link"), f"P={P} M={M} window={window}")
-    one = nccl_program.hoisted_nonblocking(3, 4, None, CALLS["train"], "one")
+@pytest.mark.parametrize("P", range(2, 9))
+def test_the_nonblocking_program_cannot_deadlock_under_nccl(P):
+    """``"paci": {"nonblocking_transfers": true}``: the program lowered with :func:`hoist_sends` (each send right after
+    its forward or backward), run as :mod:`ds_paci.core.engine.transfers` runs it (receives posted one ahead within a
+    call, one send in flight per link, a two-rank group per link and direction with its start-up exchange, drained at
+    every drain), over the same grid as the blocking program; sync mode keeps the blocking transfers."""
+    for M, window, owners, D, sync, calls in cells(P):
+        where = f"P={P} M={M} window={window} owners={owners} D={D} sync={sync} calls={calls} nonblocking"
+        check(nccl_program.derive(P, M, window, CALLS[calls], D=D, owners=owners, sync=sync, nonblocking=True), where)
+
+
+def test_nonblocking_transfers_need_a_group_per_link_and_direction():
+    """Why the transport has a group per link and direction: on one group for everything, a receive posted ahead sits
+    on the pair's stream before a send the peer waits for, and the run deadlocks; one group per direction still
+    deadlocks with one stream per group (on 4 stages: a stage's receive from ``s-1`` is ahead of its send to
+    ``s+1``)."""
+    one = nccl_program.derive(3, 4, None, CALLS["train"], nonblocking=True, groups="one")
     assert all(nccl_model.run(one, streams, comms) for streams, comms in MODES)
-    direction = nccl_program.hoisted_nonblocking(4, 4, None, CALLS["train"], "direction")
+    direction = nccl_program.derive(4, 4, None, CALLS["train"], nonblocking=True, groups="direction")
     assert nccl_model.run(direction, "pair", "eager") is None
     assert nccl_model.run(direction, "group", "eager") is not None
+    check(nccl_program.derive(4, 4, None, CALLS["train"], nonblocking=True), "link")

@@ -12,7 +12,8 @@ Example (JSON)::
         "max_consecutive_skips": 5,
         "trace": false,
         "check_tied_copies": false,
-        "overlap_reduce": true
+        "overlap_reduce": true,
+        "nonblocking_transfers": false
     }
 
 Keys (every one optional):
@@ -85,6 +86,12 @@ Keys (every one optional):
     DeepSpeed's reduce at each local step.
 ``overlap_bucket_elements`` (int >= 1, default 4194304)
     Gradient elements per bucket of the overlapped reduce.
+``nonblocking_transfers`` (bool, default false)
+    Async mode: activations and gradients move with ``isend``/``irecv`` on a two-rank process group per link
+    and direction, each send right after its forward or backward (the pass
+    :func:`ds_paci.core.program.passes.hoist_sends`), each receive posted one micro-batch ahead, everything
+    waited for at a drain (:mod:`ds_paci.core.engine.transfers`, whose docstring argues why the order cannot
+    deadlock on NCCL). Sync mode keeps DeepSpeed's blocking transfers.
 
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
 names the key, the value and what is allowed. ``ds_paci.initialize`` and
@@ -127,6 +134,7 @@ class PACIConfig:
     lookahead_restore: str = "copy"
     overlap_reduce: bool = True
     overlap_bucket_elements: int = 1 << 22
+    nonblocking_transfers: bool = False
     step_phase: Optional[str] = None  # None: DEFAULT_STEP_PHASE in async mode, "aligned" in sync mode
 
     def phase_rule(self, stock_step, tied=False):
@@ -184,6 +192,7 @@ _KEYS = {
     "step_phase": "\"aligned\" or \"diagonal\"",
     "overlap_reduce": "true or false",
     "overlap_bucket_elements": "an integer >= 1",
+    "nonblocking_transfers": "true or false",
 }
 
 
@@ -213,7 +222,7 @@ def parse_paci_section(section):
 
     kw = {"enabled": True}
     for key in ("enabled", "drain_every_batch", "trace", "check_tied_copies", "lookahead",
-                "overlap_reduce"):
+                "overlap_reduce", "nonblocking_transfers"):
         if key in section:
             if not _is_bool(section[key]):
                 raise bad(key, section[key])

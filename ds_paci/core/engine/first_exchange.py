@@ -31,9 +31,15 @@ from typing import Tuple
 import torch
 import torch.distributed as tdist
 
-__all__ = ["Item", "plan", "run", "engine_items", "run_for"]
+__all__ = ["Item", "plan", "run", "engine_items", "run_for", "link_key"]
 
-PIPE, DATA_PARALLEL, TIED, LOSS_CHANNEL = 0, 1, 2, 3  # the first field of an item's key
+PIPE, DATA_PARALLEL, TIED, LOSS_CHANNEL, LINK = 0, 1, 2, 3, 4  # the first field of an item's key
+
+
+def link_key(direction, a, b):
+    """The key of the two-rank group of non-blocking transfers between ranks ``a`` and ``b`` in ``direction``
+    (``"act"`` or ``"grad"``; :mod:`ds_paci.core.engine.transfers`)."""
+    return (LINK, (min(a, b), max(a, b)), direction)
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,8 @@ def run(items, me, device):
 
 def engine_items(engine, loss_group):
     """Every group ``engine``'s rank communicates on: its pipeline neighbours (the default group), its data-parallel
-    group, its tied-owner groups (``engine._tied``) and its loss side channel (``loss_group``: ``(group, ranks)`` of
+    group, its tied-owner groups (``engine._tied``), its non-blocking transfers' link groups (``engine._transfers``)
+    and its loss side channel (``loss_group``: ``(group, ranks)`` of
     :func:`~ds_paci.core.engine.loss_channel.pipeline_groups`)."""
     items = []
     me, stage = engine.global_rank, engine.stage_id
@@ -109,6 +116,8 @@ def engine_items(engine, loss_group):
     for ex in (engine._tied.exchanges if engine._tied is not None else ()):
         ranks = tuple(sorted(ex.ranks))
         items.append(Item((TIED, ranks), ranks, "pairs", ex.group))
+    if getattr(engine, "_transfers", None) is not None:  # the non-blocking transfers' two-rank link groups
+        items += engine._transfers.items()
     group, ranks = loss_group
     if group is not None:
         ranks = tuple(sorted(ranks))

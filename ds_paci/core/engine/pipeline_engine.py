@@ -97,6 +97,7 @@ from ..step.overlap import armed_for, dp_reduce, make_overlap
 from ..lookahead.predict import make_lookahead
 from .loss_channel import LossChannel, pipeline_groups
 from . import first_exchange
+from .transfers import make_transfers, transfer_op
 from .monitor import LastStageMonitor
 from ..program.passes import lower_call
 from ..program.actions import Kind, format_action
@@ -179,6 +180,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                                  window=lambda: self._stream.window)
         self._tied = self._ctx.tied = TiedWeights.create(self._ctx)  # every rank: it creates process groups
         # a first transfer on every group this rank talks on: no NCCL communicator is created lazily mid-stream
+        self._transfers = make_transfers(self, self.paci, self._stock_step, say)  # non-blocking, hoisted sends
         self._first_exchange = first_exchange.run_for(self, loss_group)
         self._channel = LossChannel(*loss_group, self.stage_id)
         # A newer DeepSpeed may reach a global group inside an optimizer step: check the first local step once.
@@ -348,7 +350,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         if self._tied is not None and self._tied.exchanges and not self._stock_step:
             tied = (self._tied.pending_windows(), self._tied.lag)
         return lower_call(ticks, drain_ticks, sync_steps=self._stock_step, tied=tied, carry=carry,
-                          overlap_reduce=self._overlap is not None)
+                          overlap_reduce=self._overlap is not None, nonblocking=self._transfers is not None)
 
     def _run_call(self, ticks, drain_ticks=None, carry=False):
         first_tick = self._stream.ticks_emitted - len(ticks) - len(drain_ticks or [])
@@ -358,8 +360,12 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
     def run_program(self, program, first_tick=None, drains=False, carry=False):
         """Execute one call's lowered ``program`` (this stage's ticks of actions). ``drains``: it ends with a
         drain (``carry``: one that leaves the window open); the drain's bookkeeping follows it."""
+        if self._transfers is not None:
+            self._transfers.begin(program)
         self._run(program, first_tick)
         if drains:
+            if self._transfers is not None:
+                self._transfers.drain()  # nothing in flight across an evaluation, a checkpoint or a reset
             self._feed.clear()  # every micro-batch train_batch() promised has now been loaded on both ends
             if self._tied is not None:  # settle or check the exchange, compare the copies
                 stepped = bool(program) and any(a.kind is Kind.STEP and a.in_drain for a in program[-1])
@@ -479,10 +485,10 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         Kind.LOAD: _buffer_op(ds.exec_load_micro_batch),
         Kind.FORWARD: _exec_paci_forward,
         Kind.BACKWARD: _exec_paci_backward,
-        Kind.SEND_ACT: _buffer_op(ds.exec_send_activations),
-        Kind.RECV_ACT: _buffer_op(ds.exec_recv_activations),
-        Kind.SEND_GRAD: _buffer_op(ds.exec_send_grads),
-        Kind.RECV_GRAD: _buffer_op(ds.exec_recv_grads),
+        Kind.SEND_ACT: transfer_op(ds.exec_send_activations),
+        Kind.RECV_ACT: transfer_op(ds.exec_recv_activations),
+        Kind.SEND_GRAD: transfer_op(ds.exec_send_grads),
+        Kind.RECV_GRAD: transfer_op(ds.exec_recv_grads),
         Kind.ACCUMULATE: _exec_local_accumulate,
         Kind.STEP: lambda engine, cmd: engine._local_step(cmd),
         Kind.TIED_POST: _exec_tied,

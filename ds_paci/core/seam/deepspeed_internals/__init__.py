@@ -30,7 +30,10 @@ dependency too): :data:`OVERRIDDEN_ENGINE_METHODS`.
 ``_step_applied`` (``was_step_applied()``, set by ``_take_model_step``), ``_compute_loss`` (the forward
 computes the loss); the per-call loss fields ``total_loss``, ``total_additional_losses``, ``fwd_outputs``,
 ``agg_additional_losses``, ``agg_train_loss`` and the stage output ``loss``; ``pipe_buffers``, ``batch_fn``,
-``checkpoint_engine``, ``pipeline_enable_backward_allreduce``, ``mpu``; ``PipelineModule``'s ``_layer_specs``, ``tied_modules``, ``tied_weight_attrs``; a
+``checkpoint_engine``, ``pipeline_enable_backward_allreduce``, ``mpu``; the point-to-point state
+``first_output_send``, ``pipe_recv_buf``, ``grad_layer`` (the backward's received gradient), ``has_attention_mask``,
+``has_bool_tensors``, ``is_pipe_partitioned``, ``is_grad_partitioned``, ``dynamic_shape`` and the methods
+``_send_tensor_meta(buffer, stage)`` / ``_recv_tensor_meta(stage)`` (the first call's shape exchange); ``PipelineModule``'s ``_layer_specs``, ``tied_modules``, ``tied_weight_attrs``; a
 parameter's ``ds_pipe_replicated`` flag; ``PipelineParallelGrid``'s ``_topo`` and ``pipe_groups``;
 ``DeepSpeedConfig._param_dict`` (the ``config_class`` DeepSpeed hands the engine).
 
@@ -88,6 +91,9 @@ INTERNAL_FIELDS = (
     # PipelineEngine
     "pipe_buffers", "total_loss", "total_additional_losses", "fwd_outputs", "agg_additional_losses",
     "agg_train_loss", "batch_fn", "checkpoint_engine", "pipeline_enable_backward_allreduce",
+    # PipelineEngine's point-to-point state (the non-blocking transfers use it as DeepSpeed does)
+    "first_output_send", "pipe_recv_buf", "grad_layer", "has_attention_mask", "has_bool_tensors",
+    "is_pipe_partitioned", "is_grad_partitioned", "dynamic_shape",
     # PipelineModule, its parameters, PipelineParallelGrid
     "tied_modules", "tied_weight_attrs", "ds_pipe_replicated", "pipe_groups",
     # BF16_Optimizer

@@ -15,8 +15,33 @@ __all__ = [
     "zero_fills_missing_gradients", "batch_fn", "pipe_buffers", "checkpoint_engine", "set_checkpoint_engine",
     "engine_mpu", "model_states_file_namer", "layer_specs", "tied_modules", "tied_weight_attrs", "pipe_replicated",
     "set_pipe_replicated", "grid_topology", "pipe_groups", "stock_instruction_map", "set_engine_instruction_map",
-    "reduce_scaling"
+    "reduce_scaling", "send_tensor_meta", "recv_tensor_meta", "p2p_field", "set_p2p_field"
 ]
+
+_P2P_FIELDS = ("first_output_send", "pipe_recv_buf", "grad_layer", "has_attention_mask", "has_bool_tensors",
+               "is_pipe_partitioned", "is_grad_partitioned", "dynamic_shape")
+
+
+def send_tensor_meta(engine, buffer, stage):
+    """``PipelineEngine._send_tensor_meta``: the activation's shapes and dtypes, blocking, to ``stage``."""
+    PipelineEngine._send_tensor_meta(engine, buffer, stage)
+
+
+def recv_tensor_meta(engine, stage):
+    """``PipelineEngine._recv_tensor_meta``: buffers shaped as ``stage``'s activation (a tensor or a tuple)."""
+    return PipelineEngine._recv_tensor_meta(engine, stage)
+
+
+def p2p_field(engine, name):
+    """One of the engine's point-to-point fields (``first_output_send``, ``pipe_recv_buf``, ``grad_layer``, ...)."""
+    assert name in _P2P_FIELDS, name
+    return getattr(engine, name)
+
+
+def set_p2p_field(engine, name, value):
+    """Set one of :func:`p2p_field`'s fields."""
+    assert name in _P2P_FIELDS, name
+    setattr(engine, name, value)
 
 
 # -- engine methods: the stream's instructions, as DeepSpeed executes them ----------------------------------------
