@@ -1,7 +1,6 @@
 """Run a function on N local processes joined by a gloo process group, and fail fast.
 
-``run_world(fn, world_size, *args)`` spawns one process per rank (``spawn`` start
-method), sets the launcher environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``run_world(fn, world_size, *args)`` starts one process per rank, sets the launcher environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``DS_ACCELERATOR`` as asked; and
 ``DS_PACI_WATCH_PIDS`` = the parent, so a rank whose parent dies stops), starts
 DeepSpeed's process group with a bounded timeout, calls ``fn(rank, *args)``
@@ -15,6 +14,13 @@ with each rank's status and the tail of its log, so a hang says who was where.
 accelerator; ``accelerator=None`` uses what DeepSpeed detects (CUDA with NCCL where present,
 else the CPU with gloo; ``DS_ACCELERATOR`` in the environment still overrides), which is what
 the benchmark passes.
+
+**Start method.** A world on the CPU accelerator with no extra environment starts its ranks from a ``forkserver``
+that has already imported torch and DeepSpeed (``PRELOAD``; the server is started once per parent process, with
+:data:`CHILD_ENV` and ``DS_ACCELERATOR=cpu`` in its environment, so what torch and DeepSpeed read at import is what a
+spawned rank would read): each rank is a fork of it and skips the 1-2 s of CPU those imports cost, which the test
+suite's hundreds of worlds pay otherwise. Any other world (``accelerator=None``, or ``env`` given, which torch or
+DeepSpeed may read at import) is spawned: a fresh interpreter that imports them itself.
 
 Used by the benchmark and by the multi-process tests.
 """
@@ -30,6 +36,20 @@ import traceback
 
 # Set in the parent around the spawn, so children see them before importing torch.
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# What the forkserver imports before it forks a rank (see the module docstring).
+PRELOAD = ["torch", "deepspeed"]
+_forkserver = None
+
+
+def _context(accelerator, env):
+    """The multiprocessing context for a world (see the module docstring)."""
+    global _forkserver
+    if accelerator != "cpu" or env:
+        return mp.get_context("spawn")
+    if _forkserver is None:
+        _forkserver = mp.get_context("forkserver")
+        _forkserver.set_forkserver_preload(PRELOAD)
+    return _forkserver
 
 
 class WorldFailure(AssertionError):
@@ -55,13 +75,14 @@ def _unpack(data):
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _entry(rank, world_size, port, log_path, fn, args, results, env, gloo_timeout_s):
+def _entry(rank, world_size, port, log_path, fn, args, results, environ, gloo_timeout_s, parent_pid):
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ.update(env)
+    os.environ.clear()  # a forked rank has its server's environment: the parent's of now replaces it
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_PACI_WATCH_PIDS=str(os.getppid()))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_PACI_WATCH_PIDS=str(parent_pid))
     import datetime
     import sys
 
@@ -112,7 +133,7 @@ def run_world(fn, world_size, *args, timeout=120, log_dir=None, env=None, gloo_t
     """
     log_dir = log_dir or tempfile.mkdtemp(prefix="ds_paci_world_")
     os.makedirs(log_dir, exist_ok=True)
-    ctx = mp.get_context("spawn")
+    ctx = _context(accelerator, env)
     results = ctx.Queue()
     port = free_port()
     procs = []
@@ -121,11 +142,13 @@ def run_world(fn, world_size, *args, timeout=120, log_dir=None, env=None, gloo_t
         child_env["DS_ACCELERATOR"] = accelerator
     saved_env = {k: os.environ.get(k) for k in child_env}
     os.environ.update(child_env)
+    environ = {**os.environ, **(env or {})}
     try:
         for rank in range(world_size):
             log_path = os.path.join(log_dir, f"rank{rank}.log")
             p = ctx.Process(target=_entry,
-                            args=(rank, world_size, port, log_path, fn, args, results, dict(env or {}), gloo_timeout_s))
+                            args=(rank, world_size, port, log_path, fn, args, results, environ, gloo_timeout_s,
+                                  os.getpid()))
             p.start()
             procs.append(p)
     finally:
