@@ -79,7 +79,7 @@ test: $(STAMP) $(MEGATRON_STAMP)
 
 # the in-process tier: no test here starts a process (tests/conftest.py fails one that does)
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -q -m "not process"
+	$(PY) -m pytest tests -q -m "not process" $(XDIST)
 
 # The oldest DeepSpeed's venv is an overlay on .venv: its own site-packages holds DeepSpeed $(DS_OLDEST) alone (found
 # first), and a .pth adds .venv's site-packages behind it (torch, the test tools, ds_paci's editable install), so a run

@@ -84,7 +84,8 @@ def test_muon_table_sets_each_muon_cell_beside_the_same_adamw_cell():
 
 @pytest.mark.process
 def test_sweep_runs_resume_from_their_json_lines(tmp_path):
-    tiny = dataclasses.replace(grid.make_run(4, 2, "lookahead", grid.auto_windows(4, 2), 3e-3, grid.SEEDS[0]),
+    # per-stage windows (what "auto" gave at M < P-1 before issue 30; a sweep row may carry any)
+    tiny = dataclasses.replace(grid.make_run(4, 2, "lookahead", [3, 2, 2, 2], 3e-3, grid.SEEDS[0]),
                                steps=6, common_steps=4)
     stock = dataclasses.replace(grid.make_run(4, 2, "stock", None, 3e-3, grid.SEEDS[0]), steps=4, common_steps=4)
     small = dataclasses.replace(grid.MODEL, n_embd=16, n_head=2, seq_len=16, val_micro_batches=4)
