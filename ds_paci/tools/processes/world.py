@@ -29,6 +29,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import tempfile
 import time
@@ -56,7 +57,34 @@ class WorldFailure(AssertionError):
     """A rank failed, exited early, or the world timed out; the message has every rank's status and log tail."""
 
 
+_PORTS = random.SystemRandom()  # not the `random` module's generator, which tests and jobs seed
+
+
+def _ephemeral_low():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port():
+    """A TCP port free on 127.0.0.1 now, for a rendezvous (``MASTER_PORT``) that a process binds a moment later.
+
+    Drawn at random below the kernel's ephemeral range (from 20000 up to it): a port the kernel hands out for
+    ``bind(0)`` or for an outgoing connection (gloo's pair listeners and connections take hundreds of them) can be
+    taken by another test's processes between this call and the bind, and a rank then reaches a stranger ("Connection
+    reset by peer" in ``TCPStore``); below the range only another caller of this function can pick the same port.
+    """
+    high = _ephemeral_low() - 1
+    for _ in range(200):
+        port = _PORTS.randint(20000, high) if high > 20000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
