@@ -175,6 +175,7 @@ def test_default_cells_read_the_run_with_todays_windows_and_list_the_missing_one
     results = _fake_results(finals)
     cell = next(c for c in default.default_cells(results) if (c["stages"], c["micro_batches"], c["lr"]) == (8, 4, 3e-3))
     assert cell["windows"] == [7] * 8 and cell["default"] == [2.04, None] and cell["vs_stock"] is None
+    assert cell["old_per_seed"] == pytest.approx([1.0 / 2.0 - 1, 1.0 / 2.2 - 1])  # the rule before, same cell
     assert (8, 4, 3e-3, pair2[0], [7] * 8) in default.missing_runs([cell])
     # the candidates study's plain look-ahead in the sweep's configuration fills the second seed; one that
     # validates after a drain (not the sweep's configuration) and a modified candidate do not count

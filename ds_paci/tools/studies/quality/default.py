@@ -103,7 +103,8 @@ def agreement(results: dict, candidates: dict) -> dict:
 def default_cells(results: dict, depths=DEPTHS, candidates=None) -> list:
     """One dict per sweep cell (P, M, lr): per seed stock's final loss and the final loss of the stored look-ahead
     run with today's windows (``None``: not stored; from ``candidates`` of :func:`candidate_runs` where the sweep
-    has none, its ``sources`` entry then names the file), and the two seeds' mean of each (both present only)."""
+    has none, its ``sources`` entry then names the file), the two seeds' mean of each (both present only), and per
+    seed the stored run of the rule before issue 30 against stock (``old_per_seed``)."""
     from .report import _find
     candidates = candidates or {}
     cells = []
@@ -114,7 +115,7 @@ def default_cells(results: dict, depths=DEPTHS, candidates=None) -> list:
         for lr in lrs:
             for m in micro_batch_counts(stages):
                 windows = auto_windows(stages, m)
-                stock, default, sources = [], [], []
+                stock, default, sources, old = [], [], [], []
                 for pair in SEEDS:
                     s = _find(results, stages, m, "stock", None, lr, pair)
                     d = _find(results, stages, m, "lookahead", windows, lr, pair)
@@ -122,16 +123,19 @@ def default_cells(results: dict, depths=DEPTHS, candidates=None) -> list:
                     if d is None:
                         d = candidates.get((stages, m, "lookahead", tuple(windows), float(lr)) + tuple(pair))
                         source = None if d is None else d["source"]
+                    o = _find(results, stages, m, "lookahead", old_auto_windows(stages, m), lr, pair)
                     stock.append(None if s is None else s["final"])
                     default.append(None if d is None else d["final"])
                     sources.append(source)
+                    old.append(None if o is None or s is None else _rel(o["final"], s["final"]))
                 both = all(v is not None for v in stock + default)
                 mean_vs = _rel(statistics.mean(default), statistics.mean(stock)) if both else None
                 cells.append({"stages": stages, "micro_batches": m, "lr": lr, "best_lr": lr == lrs[0],
                               "windows": windows, "stock": stock, "default": default, "sources": sources,
                               "per_seed": [None if d is None or s is None else _rel(d, s)
                                            for d, s in zip(default, stock)],
-                              "vs_stock": mean_vs})
+                              "vs_stock": mean_vs, "old_windows": old_auto_windows(stages, m),
+                              "old_per_seed": old})
     return cells
 
 
@@ -179,14 +183,17 @@ def write_report(out: str, candidates_dir: str = CANDIDATES_DIR) -> str:
               f"(`{candidates_dir}/<cell>/uniform-max.json`, the sweep's configuration; of its {agree['runs']} runs "
               "the sweep also stored, the largest gap in final loss is "
               f"{gap}).", "",
+              "The last column: the per-stage rule before issue 30 in the same cell, per seed, where its windows differ.", "",
               "| P | M | lr | windows | stock | today's default | per seed | vs stock (both seeds) | within 1% "
-              "| within 2% |", "|---:|---:|---:|---|---|---|---|---:|---|---|"]
+              "| within 2% | before issue 30, per seed |", "|---:|---:|---:|---|---|---|---|---:|---|---|---|"]
     for c in cells:
         lr = f"{c['lr']:g}" + (" (best)" if c["best_lr"] else "")
         lines.append(f"| {c['stages']} | {c['micro_batches']} | {lr} | {window_label(c['windows'])} | "
-                     f"{' / '.join(map(_loss, c['stock']))} | {' / '.join(map(_loss, c['default']))} | "
+                     f"{' / '.join(map(_loss, c['stock']))} | {' / '.join(map(_loss, c['default'], c['sources']))} | "
                      f"{' / '.join(map(_pct, c['per_seed']))} | {_pct(c['vs_stock'])} | "
-                     f"{_yes(c['vs_stock'], WITHIN[0])} | {_yes(c['vs_stock'], WITHIN[1])} |")
+                     f"{_yes(c['vs_stock'], WITHIN[0])} | {_yes(c['vs_stock'], WITHIN[1])} | "
+                     + ("same windows" if c["old_windows"] == c["windows"] else ' / '.join(map(_pct, c['old_per_seed'])))
+                     + " |")
     missing = missing_runs(cells)
     lines += ["", f"## Runs not stored ({len(missing)}): these cells need a real run", ""]
     lines += [f"- P = {p}, M = {m}, lr {lr:g}, seed {seed}: PACI + look-ahead with windows {window_label(w)}"
