@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -144,3 +145,78 @@ def test_assembled_page_finds_the_generated_pages_images_from_its_own_folder(tmp
     (out / "larger.md").write_text("# larger\n\n![curves](larger.png)\n")
     markdown = assemble_doc(str(out), target=str(tmp_path / "results" / "quality.md"))
     assert "![curves](quality/larger.png)" in markdown and "## larger" in markdown
+
+
+def test_todays_auto_is_the_old_per_stage_rule_wherever_m_is_at_least_p_minus_1():
+    from ds_paci.tools.studies.candidates.study import per_stage_auto
+    from ds_paci.tools.studies.quality import default
+    for stages in range(2, 41):
+        for m in range(1, 4 * stages + 1):
+            old, new = default.old_auto_windows(stages, m), grid.auto_windows(stages, m)
+            assert old == per_stage_auto(stages, m)  # the candidates study's "auto": the same rule
+            assert (old == new) == (m >= stages - 1), (stages, m, old, new)  # stage by stage
+            assert old[0] == new[0]  # stage 0 always had P-1 (or the guard)
+    changed = {(c["stages"], c["micro_batches"]): c["differ"] for c in default.window_changes()}
+    assert set(changed) == {(p, m) for p in grid.DEPTHS for m in grid.micro_batch_counts(p)}
+    assert {k for k, v in changed.items() if v} == {(4, 2), (8, 4), (16, 8), (32, 16)}  # M = P/2 only
+    assert changed[(8, 4)] == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_default_cells_read_the_run_with_todays_windows_and_list_the_missing_ones(tmp_path):
+    from ds_paci.tools.studies.quality import default
+    pair1, pair2 = grid.SEEDS
+    finals = {}
+    for pair, s in ((pair1, 2.0), (pair2, 2.2)):
+        finals[grid.make_run(8, 4, "stock", None, 3e-3, pair).key()] = s
+    # seed 1: today's windows (7 everywhere), trained past the common steps; a decoy with the old per-stage windows
+    finals[grid.make_run(8, 4, "lookahead", [7] * 8, 3e-3, pair1, overrun=True).key()] = 2.04
+    finals[grid.make_run(8, 4, "lookahead", default.old_auto_windows(8, 4), 3e-3, pair1).key()] = 1.0
+    finals[grid.make_run(8, 4, "lookahead", default.old_auto_windows(8, 4), 3e-3, pair2).key()] = 1.0
+    results = _fake_results(finals)
+    cell = next(c for c in default.default_cells(results) if (c["stages"], c["micro_batches"], c["lr"]) == (8, 4, 3e-3))
+    assert cell["windows"] == [7] * 8 and cell["default"] == [2.04, None] and cell["vs_stock"] is None
+    assert cell["old_per_seed"] == pytest.approx([1.0 / 2.0 - 1, 1.0 / 2.2 - 1])  # the rule before, same cell
+    assert (8, 4, 3e-3, pair2[0], [7] * 8) in default.missing_runs([cell])
+    # the candidates study's plain look-ahead in the sweep's configuration fills the second seed; one that
+    # validates after a drain (not the sweep's configuration) and a modified candidate do not count
+    sweep_cell = {"stages": 8, "micro_batches": 4, "lr": 3e-3, "steps": 240, "n_embd": 32, "n_head": 4, "seq_len": 32,
+                  "micro_batch_size": 2, "val_micro_batches": 32, "seed": pair2[0], "data_seed": pair2[1],
+                  "eval_every": 24, "drains": False, "restore": "recompute"}
+    for name, cell_dict, final in (("uniform-max", sweep_cell, 2.222), ("ef", sweep_cell, 0.5),
+                                   ("uniform-max", {**sweep_cell, "drains": True, "lr": 1e-3}, 0.5)):
+        path = tmp_path / ("a" if final != 0.5 or name == "ef" else "b") / f"{name}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps({"cell": cell_dict, "steps": 240, "windows": [7] * 8, "final": final}))
+    candidates = default.candidate_runs(str(tmp_path))
+    assert len(candidates) == 1
+    cell = next(c for c in default.default_cells(results, candidates=candidates)
+                if (c["stages"], c["micro_batches"], c["lr"]) == (8, 4, 3e-3))
+    assert cell["default"] == [2.04, 2.222] and cell["sources"][0] == "runs.jsonl" and "uniform-max" in cell["sources"][1]
+    assert cell["vs_stock"] == pytest.approx((2.04 + 2.222) / (2.0 + 2.2) - 1)
+    assert cell["per_seed"] == pytest.approx([0.02, 0.01])
+
+
+def test_larger_p8_rows_run_todays_auto_and_a_run_in_progress_shows_its_curve_so_far(tmp_path):
+    from ds_paci.core.config import auto_window
+    from ds_paci.tools.replay.replayer import stage_windows
+    from ds_paci.tools.studies.quality import larger
+    names = [r.name for r in larger.RUNS]
+    assert len(names) == len(set(names)) and names[:3] == ["stock", "paci+lookahead a=M", "paci+lookahead auto"]
+    assert larger.shapes() == [(4, 4), (8, 4), (8, 8)]
+    for run in larger.RUNS:
+        if run.window == "auto":
+            assert stage_windows(run.window, run.stages, run.micro_batches) == [
+                auto_window(run.stages, run.micro_batches, s) for s in range(run.stages)]
+    stock = larger.stock_of(8, 4)
+    curve = [[0, 5.0], [1000, 2.0]]
+    (tmp_path / "larger.jsonl").write_text(json.dumps({"name": stock.name, "windows": [4] * 8, "curve": curve,
+                                                       "seconds": 1.0}) + "\n")
+    log = larger.log_path(str(tmp_path), "P=8 M=4 paci+lookahead auto")
+    os.makedirs(os.path.dirname(log))
+    with open(log, "w") as f:
+        f.write("step 50: validation loss 3.0000 (10 s)\nstep 100: validation loss 2.2000 (20 s)\n")
+    assert larger.partial_curve(log) == [(50, 3.0), (100, 2.2)]
+    table = "\n".join(larger.shape_table(larger.load_rows(str(tmp_path / "larger.jsonl"), key="name"), 8, 4,
+                                         str(tmp_path)))
+    assert "| P=8 M=4 paci+lookahead auto | - | partial: 2.2000 at step 100 | +10.00% (at step 100) |" in table
+    assert "| P=8 M=4 stock | 4 | 2.0000 | - | 1000 |" in table

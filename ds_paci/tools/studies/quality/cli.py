@@ -4,7 +4,8 @@
 appending one JSON line per finished run to ``<out>/runs.jsonl``; ``report`` writes the tables;
 ``phase`` runs the step-phase spot cells (``grid.phase_spot_runs``: ``"aligned"`` against ``"diagonal"``) into
 ``<out>/runs.jsonl`` and prints them side by side; ``time-to-final`` runs the PACI engines of the benchmark's P = 4 and P = 8 curve study past stock's step count
-(:mod:`ds_paci.tools.studies.quality.time_to_final`); ``larger`` the 8 x 256 model (:mod:`ds_paci.tools.studies.quality.larger`); ``doc`` assembles
+(:mod:`ds_paci.tools.studies.quality.time_to_final`); ``larger`` the 8 x 256 model (:mod:`ds_paci.tools.studies.quality.larger`);
+``default`` today's default window in every sweep cell from the stored runs (:mod:`ds_paci.tools.studies.quality.default`); ``doc`` assembles
 ``docs/results/quality.md`` from the hand-written ``intro.md``/``findings.md`` of ``--out`` and every table.
 """
 
@@ -16,11 +17,13 @@ import sys
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ds_paci.tools.studies.quality", description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", choices=["sweep", "report", "phase", "time-to-final", "larger", "doc"], required=True)
+    p.add_argument("--part", choices=["sweep", "report", "phase", "time-to-final", "larger", "default", "doc"], required=True)
     p.add_argument("--out", default="docs/results/quality")
     p.add_argument("--workers", type=int, default=2, help="replay processes at once")
     p.add_argument("--depths", type=int, nargs="*", help="only these P (default: all of grid.DEPTHS)")
     p.add_argument("--runs", nargs="*", help="with --part larger: only these runs (names of larger.RUNS)")
+    p.add_argument("--candidates", default="docs/results/quality-candidates",
+                   help="with --part default: the candidates study's results (runs the sweep lacks)")
     args = p.parse_args(argv)
     if args.part == "sweep":
         from .sweep import run_sweep
@@ -42,6 +45,10 @@ def main(argv=None) -> int:
         from . import larger
         larger.run_all(args.out, echo=lambda line: print(line, flush=True), names=args.runs)
         print(larger.write_report(args.out))
+        return 0
+    if args.part == "default":
+        from . import default
+        print(default.write_report(args.out, args.candidates))
         return 0
     if args.part == "time-to-final":
         from . import time_to_final

@@ -1,11 +1,13 @@
 """``docs/results/quality.md``: the hand-written ``intro.md`` and ``findings.md`` of the results folder, then every
-generated table (the sweep, the time to stock's final loss, the larger model, the engine confirmations)."""
+generated table (the sweep, today's default window in every cell, the time to stock's final loss, the larger model,
+the engine confirmations)."""
 
 from __future__ import annotations
 
 import os
 import re
 
+from . import default
 from . import larger
 from . import time_to_final
 from .grid import window_label
@@ -45,8 +47,11 @@ def assemble_doc(out: str, target: str = "docs/results/quality.md") -> str:
         time_to_final.write_report(out)
     if os.path.exists(os.path.join(out, "larger.jsonl")):
         larger.write_report(out)
-    parts = [read("intro.md"), read("findings.md"), demote(read("sweep.md")), demote(read("time_to_final.md")),
-             demote(read("larger.md")), "## Engine confirmations of sweep cells", "", confirmations_table(out), ""]
+    if os.path.exists(os.path.join(out, "runs.jsonl")):  # the candidates study beside the results folder
+        default.write_report(out, os.path.join(os.path.dirname(os.path.normpath(out)), "quality-candidates"))
+    parts = [read("intro.md"), read("findings.md"), demote(read("sweep.md")), demote(read("default.md")),
+             demote(read("time_to_final.md")), demote(read("larger.md")), "## Engine confirmations of sweep cells", "",
+             confirmations_table(out), ""]
     markdown = "\n\n".join(parts)
     with open(target, "w") as f:
         f.write(markdown)
