@@ -201,3 +201,21 @@ def test_the_table_averages_each_cell_over_its_seeds(tmp_path):
     text = write_table(str(tmp_path), list(finals), ["stock", "auto"], lambda cell: 240)
     assert "| sweep-P8M4 | +2.0% (3; 0) |" in text  # (2% + 4% + 0%) / 3 over three seeds, none on a plateau
     assert "| auto | 3 | +4.0% | 1 | 2 | 0 |" in text
+
+
+def test_the_lower_lr_cells_are_the_sweep_cells_at_1e_3_and_the_uniform_lr_candidates_scale_todays_window():
+    from ds_paci.core.config import auto_window
+    from ds_paci.tools.replay.candidates import lr_compensation
+    from ds_paci.tools.studies.candidates.study import CANDIDATES, CELLS, per_stage_auto
+    for P in (4, 8, 16):
+        for tag in ("", "-s2"):
+            high, low = CELLS[f"sweep-P{P}M{P // 2}{tag}"](), CELLS[f"sweep-P{P}M{P // 2}-lr1e-3{tag}"]()
+            assert (high.lr, low.lr) == (3e-3, 1e-3)
+            assert {**low.__dict__, "lr": None} == {**high.__dict__, "lr": None}
+        M = P // 2
+        window = max(per_stage_auto(P, M))
+        assert window == auto_window(P, M)  # "uniform-max" is the engine's "auto"
+        for name, power in (("uniform-lr-sqrt", 0.5), ("uniform-lr-lin", 1.0)):
+            c = CANDIDATES[name]
+            assert (c.window, c.lr_power) == ("uniform-max", power)
+            assert lr_compensation([window] * P, M, c.lr_power) == [(window / M) ** power] * P

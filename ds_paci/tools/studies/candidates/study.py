@@ -16,7 +16,9 @@ Cells (:data:`CELLS`):
   (:data:`ds_paci.tools.studies.quality.grid.MODEL`, 240 calls, validations without draining, as the sweep;
   restore by recompute, as the sweep), first seed; ``...-s2``: second seed; ``sweep-P16M8``: P = 16 (120 calls);
 * ``-s3`` / ``-s4`` (:data:`SEEDS`) of ``unseen-lr2e-3`` and the three sweep cells; ``held-w48x2`` (``-s2`` to
-  ``-s4``): a second model kept aside, the unseen cell with two blocks of width 48 (4 heads) per stage.
+  ``-s4``): a second model kept aside, the unseen cell with two blocks of width 48 (4 heads) per stage;
+* ``sweep-P4M2-lr1e-3`` (and ``P8M4``, ``P16M8``; ``-s2``): the same M = P/2 cells at the sweep's lower learning
+  rate, 1e-3.
 
 Candidates (:data:`CANDIDATES`): ``stock``; ``auto`` (the look-ahead with ``"auto"``'s per-stage windows before
 issue 30, :func:`per_stage_auto`); ``uniform-max`` (the largest of those on every stage: the engine's ``"auto"``
@@ -25,7 +27,8 @@ prediction from Adam's first moment), ``blend`` (the open window plus the moment
 ``lr-lin`` (learning-rate compensation for ``a_s > M``), ``adaptive`` (windows between ``"auto"``'s and
 ``uniform-max`` from the measured prediction error), each on ``"auto"``'s windows (``ef-half``: feedback 0.5); ``uniform-blend``;
 ``lr-slowest`` (``"auto"``'s windows, every stage's learning rate scaled to the slowest stage's rate per sample,
-``a_s / max(a)``) and ``ef-lr-slowest`` (that with error feedback).
+``a_s / max(a)``) and ``ef-lr-slowest`` (that with error feedback); ``uniform-lr-sqrt`` / ``uniform-lr-lin``
+(today's ``"auto"`` windows with the learning rate scaled by ``(a / M) ** 0.5`` or ``a / M``).
 """
 
 from __future__ import annotations
@@ -72,9 +75,9 @@ def _held(seeds=(1234, 7)):
     return Cell(8, 4, 2e-3, 300, 48, 4, 64, 4, 16, seeds[0], seeds[1], 50, True, "copy", blocks_per_stage=2)
 
 
-def _sweep(P, seeds=(1234, 7)):
+def _sweep(P, seeds=(1234, 7), lr=3e-3):
     from ds_paci.tools.studies.quality.grid import MODEL, STEPS
-    return Cell(P, P // 2, 3e-3, STEPS[P], MODEL.n_embd, MODEL.n_head, MODEL.seq_len, MODEL.micro_batch_size,
+    return Cell(P, P // 2, lr, STEPS[P], MODEL.n_embd, MODEL.n_head, MODEL.seq_len, MODEL.micro_batch_size,
                 MODEL.val_micro_batches, seeds[0], seeds[1], STEPS[P] // 10, False, "recompute")
 
 
@@ -93,6 +96,12 @@ for _tag in ("-s3", "-s4"):
     CELLS[f"unseen-lr2e-3{_tag}"] = (lambda seeds: lambda: _unseen(2e-3, seeds))(SEEDS[_tag])
     for _P in (4, 8, 16):
         CELLS[f"sweep-P{_P}M{_P // 2}{_tag}"] = (lambda P, seeds: lambda: _sweep(P, seeds))(_P, SEEDS[_tag])
+# The sweep's M = P/2 cells at its lower learning rate (1e-3), where one window max(P-1, ...) on every stage takes
+# half of stock's optimizer steps per sample (today's "auto" there: +5-20% over stock on the first seed).
+for _tag in ("", "-s2"):
+    for _P in (4, 8, 16):
+        CELLS[f"sweep-P{_P}M{_P // 2}-lr1e-3{_tag}"] = (lambda P, seeds: lambda: _sweep(P, seeds, 1e-3))(_P,
+                                                                                                 SEEDS[_tag])
 for _tag, _seeds in SEEDS.items():
     CELLS[f"held-w48x2{_tag}"] = (lambda seeds: lambda: _held(seeds))(_seeds)
 
@@ -110,6 +119,9 @@ CANDIDATES = {
     "uniform-blend": Candidate("uniform-blend", estimator="blend", window="uniform-max"),
     "lr-slowest": Candidate("lr-slowest", lr_slowest=True),
     "ef-lr-slowest": Candidate("ef-lr-slowest", feedback=1.0, lr_slowest=True),
+    # today's "auto" windows with the learning rate compensated for a > M (Adam's square-root and linear rules)
+    "uniform-lr-sqrt": Candidate("uniform-lr-sqrt", window="uniform-max", lr_power=0.5),
+    "uniform-lr-lin": Candidate("uniform-lr-lin", window="uniform-max", lr_power=1.0),
 }
 
 
