@@ -125,3 +125,107 @@ def test_a_failing_rank_ends_the_others_at_once(tmp_path):
 
     codes, outputs = linked.run_shape(None, "pp2", argv, timeout=600)
     assert codes == [-9, 3], (codes, outputs[0][-2000:])
+
+
+# -- the variants and their prediction (pure) ---------------------------------------------------------------------
+ISSUE27 = {  # variant -> (step phase, overlapped reduce with replicas, non-blocking transfers)
+    "paci-before": ("aligned", False, False),
+    "+diagonal": ("diagonal", False, False),
+    "+overlap": ("aligned", True, False),
+    "+nonblocking": ("aligned", False, True),
+    "all": ("diagonal", True, True),
+}
+
+
+def test_the_default_variants_are_stock_paci_before_each_item_and_all():
+    assert list(linked.DEFAULT_VARIANTS) == ["stock"] + list(ISSUE27)
+    assert linked.engine_settings(linked.DEFAULT_VARIANTS["stock"], 4, dp=2) == {"schedule": "stock"}
+    for name, (phase, overlap, nonblocking) in ISSUE27.items():
+        overlay = linked.DEFAULT_VARIANTS[name]
+        assert overlay["paci"]["lookahead"] is False, name  # the variants differ only in items 1-3
+        for dp in (1, 2):
+            assert linked.engine_settings(overlay, 4, dp=dp) == {
+                "schedule": "paci", "phase": phase, "window": 4, "overlap": overlap and dp > 1,
+                "nonblocking": nonblocking}, (name, dp)
+
+
+def test_engine_settings_follow_the_engine_rules():
+    paci = {"paci": {"enabled": True}}
+    # today's defaults: aligned, overlapped with replicas, blocking; the window is M unless configured
+    assert linked.engine_settings(paci, 8, dp=2) == {"schedule": "paci", "phase": "aligned", "window": 8,
+                                                      "overlap": True, "nonblocking": False}
+    assert linked.engine_settings({"paci": {"enabled": False}}, 4, dp=2) == {"schedule": "stock"}
+    assert linked.engine_settings({"paci": {"accumulation_window": 2}}, 4, dp=1)["window"] == 2
+    # bf16 and ZeRO keep the reduce at the step
+    assert not linked.engine_settings(dict(paci, bf16={"enabled": True}), 4, dp=2)["overlap"]
+    assert not linked.engine_settings(dict(paci, zero_optimization={"stage": 1}), 4, dp=2)["overlap"]
+    # sync mode (a = M) is DeepSpeed's step: aligned, reduce at the step, blocking transfers
+    sync = {"paci": {"drain_every_batch": True, "overlap_reduce": True, "nonblocking_transfers": True}}
+    assert linked.engine_settings(sync, 4, dp=2) == {"schedule": "paci", "phase": "aligned", "window": 4,
+                                                      "overlap": False, "nonblocking": False}
+    # "sim" overrides the prediction's overlap and window
+    assert linked.engine_settings(dict(paci, sim={"overlap": False, "window": 2}), 4, dp=2)["overlap"] is False
+    assert linked.engine_settings(dict(paci, sim={"overlap": False, "window": 2}), 4, dp=2)["window"] == 2
+
+
+def _report(variants, ran=None):
+    bandwidth, latency = 100e6 / 8, 0.7e-3
+    runs = []
+    for name, overlay in variants.items():
+        run = {"variant": name, "seconds_per_batch": [0.40, 0.44, 0.42]}
+        if "paci" in overlay:
+            run.update(ForwardPass=0.021, BackwardPass=0.041, ran=(ran or {}).get(name, linked.engine_settings(
+                {k: v for k, v in overlay.items() if k != "sim"}, 4, dp=2)))
+        runs.append(run)
+    return {"ping_pong": {s: latency + s / bandwidth for s in linked.SIZES}, "activation_bytes": 262144,
+            "grad_bytes_per_stage": 262144, "runs": runs}
+
+
+def test_predict_models_each_variant_as_the_engine_runs_it():
+    from ds_paci.tools.sim.links import Link, LinkModel
+    from ds_paci.tools.sim.simulate import CostModel, long_run_period
+    out = linked.predict(_report(linked.DEFAULT_VARIANTS), linked.DEFAULT_VARIANTS, 4, dp=2)
+    assert out["link"]["bandwidth_bytes_per_s"] == pytest.approx(100e6 / 8)
+    assert out["link"]["latency_s"] == pytest.approx(0.7e-3)
+    link = Link(out["link"]["latency_s"], out["link"]["bandwidth_bytes_per_s"])
+
+    def cost(overlap):
+        return CostModel(forward=0.021, backward=0.041, links=LinkModel(link, link, 1, 262144, 262144, dp=2,
+                                                                        overlap=overlap))
+
+    rows = out["rows"]
+    assert rows["stock"]["predicted_s_per_mb"] == long_run_period("stock", 2, 4, cost=cost(False))
+    for name, (phase, overlap, nonblocking) in ISSUE27.items():
+        assert rows[name]["measured_s_per_mb"] == pytest.approx(0.42 / 4) and rows[name]["samples"] == 3
+        expected = long_run_period("paci", 2, 4, window=4, cost=cost(overlap), phase=phase,
+                                   transfers="nonblocking" if nonblocking else "blocking")
+        assert rows[name]["predicted_s_per_mb"] == expected, name
+    predicted = {n: r["predicted_s_per_mb"] for n, r in rows.items()}
+    # each item alone lowers the prediction below PACI before the issue, all three lower it most
+    for name in ("+diagonal", "+overlap", "+nonblocking"):
+        assert predicted["all"] < predicted[name] < predicted["paci-before"] < predicted["stock"], predicted
+
+
+def test_predict_refuses_a_variant_the_engine_ran_otherwise():
+    variants = {"stock": {}, "+overlap": linked.DEFAULT_VARIANTS["+overlap"]}
+    ran = {"+overlap": {"schedule": "paci", "phase": "aligned", "window": 4, "overlap": False,
+                        "nonblocking": False}}
+    with pytest.raises(RuntimeError, match="variant '\\+overlap': the engine ran"):
+        linked.predict(_report(variants, ran), variants, 4, dp=2)
+
+
+def test_done_when_per_rate_and_variant():
+    def cell(rate, shape, stock, paci):
+        return {"rate_mbit": rate, "shape": shape, "rows": {"stock": {"measured_s_per_mb": stock},
+                                                            "paci": {"measured_s_per_mb": paci}}}
+
+    report = {"variants": {"stock": {}, "paci": {"paci": {}}}, "gas": 4,
+              "cells": [cell(100, "pp2", 0.12, 0.10), cell(100, "pp2dp2", 0.13, 0.104),
+                        cell(300, "pp2", 0.09, 0.07), cell(300, "pp2dp2", 0.10, 0.09)]}
+    rows = linked.done_when(report)
+    assert [(r["rate_mbit"], r["variant"]) for r in rows] == [(100, "paci"), (300, "paci")]
+    assert rows[0]["dp_over_pp"] == pytest.approx(1.04) and rows[0]["within"]
+    assert rows[0]["speedup"] == pytest.approx(1.25) and rows[0]["of_limit"] == pytest.approx(1.0)
+    assert rows[0]["holds"]
+    assert rows[1]["dp_over_pp"] == pytest.approx(9 / 7) and not rows[1]["within"]
+    assert rows[1]["of_limit"] == pytest.approx(0.10 / 0.09 / 1.25) and not rows[1]["holds"]

@@ -1,6 +1,7 @@
 """Pipelines across two "nodes" joined by a real, bandwidth-limited link, next to the simulator's prediction.
 
-    python -m ds_paci.tools.studies.linked --rates 100 300 --out docs/results/linked.json
+    python -m ds_paci.tools.studies.linked --rates 100 300 --rounds 5 --batches 8 --warmup 2 \
+        --out docs/results/linked.json
 
 Each node is a network namespace and the nodes are joined by a tbf-limited veth
 (:class:`ds_paci.tools.processes.netns.LinkedNodes`; root only). Every rank is its own process started inside its
@@ -18,15 +19,20 @@ Each rank (this module with ``--rank-job``) first measures the link between rank
 pipeline whose layers are an element-wise scale (real math), a "ballast" parameter (a gradient of ``--grad-kb``
 per stage for the data-parallel reduce, no effect on the values) and ``EmulatedDeviceTime(f)`` (a CPU-free
 wait: ``f`` forward, ``2f`` backward per stage). The engine variants (``--variant NAME=JSON``: JSON merged into the
-DeepSpeed config, ``"paci"`` absent = DeepSpeed's stock engine; an optional ``"sim"`` object passes
-``overlap``/``window`` to the prediction) run in alternated rounds; the result is the median seconds per
-micro-batch (``train_batch`` time / M after a warm-up). The driver predicts each with
+DeepSpeed config, ``"paci"`` absent = DeepSpeed's stock engine; default :data:`DEFAULT_VARIANTS`: stock, PACI before
+issue 27, PACI with each of its items 1-3 and with all three) run in alternated rounds; the result is the median
+seconds per micro-batch (``train_batch`` time / M after a warm-up). The driver predicts each with
 :func:`ds_paci.tools.sim.simulate.long_run_period` from the measured forward/backward instruction times (the PACI
-variant's trace) and the fitted link (links are not shared in the simulator; here the pp2dp2 pipelines share it).
+variants' trace) and the fitted link (links are not shared in the simulator; here the pp2dp2 pipelines share it),
+modelling the variant as the engine runs it (:func:`engine_settings`: the step phase, the reduce overlapped with
+the window's last backward, the non-blocking program timed with ``transfers="nonblocking"``; checked against what
+every PACI engine reports it ran, :func:`ran_settings`; an optional ``"sim"`` object overrides ``overlap`` and
+``window``). :func:`done_when` gives issue 27's last "done when" per rate and variant.
 
 Emulated device time on a shared 2-core machine: read the ratios. Public contract: :func:`main` (the command
-line), :func:`run_shape` (one shape at one rate: the ranks' reports), :func:`fit`, :func:`predict`, :func:`ping_pong`
-and :func:`weight_digests`.
+line), :data:`DEFAULT_VARIANTS`, :func:`run_shape` (one shape at one rate: the ranks' reports), :func:`fit`,
+:func:`predict`, :func:`engine_settings`, :func:`ran_settings`, :func:`done_when`, :func:`ping_pong` and
+:func:`weight_digests`.
 """
 
 import argparse
@@ -39,7 +45,19 @@ import time
 
 #: shape -> node of each rank (ranks are stage-major: stage s = ranks s*DP .. s*DP+DP-1)
 PLACEMENTS = {"pp2": [0, 1], "pp2dp2": [0, 1, 1, 0]}
-DEFAULT_VARIANTS = {"stock": {}, "paci": {"paci": {"enabled": True, "lookahead": False}}}
+_BEFORE = {"enabled": True, "lookahead": False, "step_phase": "aligned", "overlap_reduce": False,
+           "nonblocking_transfers": False}
+#: the default variants (issue 27, item 4): DeepSpeed's stock engine; PACI as it was before issue 27 (aligned steps,
+#: the reduce at the step, blocking transfers); PACI with each of the issue's items 1-3 alone; and with all three.
+#: ``+overlap`` is PACI's default configuration today (look-ahead off throughout: the variants differ only in these).
+DEFAULT_VARIANTS = {
+    "stock": {},
+    "paci-before": {"paci": dict(_BEFORE)},
+    "+diagonal": {"paci": dict(_BEFORE, step_phase="diagonal")},
+    "+overlap": {"paci": dict(_BEFORE, overlap_reduce=True)},
+    "+nonblocking": {"paci": dict(_BEFORE, nonblocking_transfers=True)},
+    "all": {"paci": dict(_BEFORE, step_phase="diagonal", overlap_reduce=True, nonblocking_transfers=True)},
+}
 SIZES = [16384, 131072, 524288, 2097152]
 
 
@@ -100,6 +118,38 @@ def weight_digests(module):
             for name, p in module.named_parameters()}
 
 
+def ran_settings(engine):
+    """What a PACI ``engine`` runs, in :func:`engine_settings`' keys (its step phase, window, whether the reduce is
+    overlapped and the transfers non-blocking: the engine's own decisions, which the config only asks for)."""
+    return {"schedule": "paci", "phase": engine.paci_stats()["step_phase"], "window": engine.accumulation_window,
+            "overlap": engine._overlap is not None, "nonblocking": engine._transfers is not None}
+
+
+def engine_settings(overlay, gas, dp, stages=2):
+    """How the engine runs the variant ``overlay`` (the DeepSpeed-config overlay of ``--variant``) on ``stages``
+    stages x ``dp`` replicas at ``M = gas``, as the simulator needs it: ``{"schedule": "stock"}``, or ``"paci"``
+    with its ``phase`` (``paci.step_phase`` as :meth:`~ds_paci.core.config.PACIConfig.phase_rule` resolves it),
+    ``window``, ``overlap`` (the data-parallel reduce under the window's last backward: ``overlap_reduce`` in async
+    mode with replicas, fp32 without ZeRO) and ``nonblocking`` (``nonblocking_transfers`` in async mode). An
+    optional ``"sim"`` object overrides ``overlap`` and ``window``. Pure; the study checks it against what each
+    engine reports it ran (:func:`ran_settings`)."""
+    from ds_paci.core.config import parse_paci_section
+    paci = parse_paci_section(overlay.get("paci"))
+    if not paci.enabled:
+        return {"schedule": "stock"}
+    window = paci.window(gas, stages)
+    sync = paci.drain_every_batch
+    stock_step = sync and window == gas
+    wrapped = (overlay.get("bf16", {}).get("enabled", False) or overlay.get("fp16", {}).get("enabled", False)
+               or overlay.get("zero_optimization", {}).get("stage", 0) > 0)
+    out = {"schedule": "paci", "phase": paci.phase_rule(stock_step), "window": window,
+           "overlap": paci.overlap_reduce and not stock_step and dp > 1 and not wrapped,
+           "nonblocking": paci.nonblocking_transfers and not stock_step}
+    sim = overlay.get("sim", {})
+    out.update({k: sim[k] for k in ("overlap", "window") if k in sim})
+    return out
+
+
 def _config(args, overlay):
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.gas,
            "steps_per_print": 10**9, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": 1e-4}}}
@@ -149,6 +199,8 @@ def rank_job(args):
             run = {"variant": name, "round": round_, "seconds_per_batch": times, "losses": losses,
                    "engine": type(engine).__name__, "last_stage": engine.is_last_stage(),
                    "weights_sha256": {"start": start_weights, "drained": weight_digests(engine.module)}}
+            if isinstance(engine, ds_paci.PACIPipelineEngine):
+                run["ran"] = ran_settings(engine)
             if "paci" in overlay and overlay["paci"].get("enabled", True):
                 trace = engine.paci_trace()
                 for kind, text in (("ForwardPass", "F"), ("BackwardPass", "B")):  # instruction texts F3, B3
@@ -222,16 +274,22 @@ def predict(report, variants, gas, dp):
     bwd = statistics.median(r["BackwardPass"] for r in traced)
     rows = {}
     for name, overlay in variants.items():
-        sim = overlay.get("sim", {})
+        how = engine_settings(overlay, gas, dp)
         links = LinkModel(link, link, ranks_per_node=1, activation_bytes=report["activation_bytes"],
-                          grad_bytes=report["grad_bytes_per_stage"], dp=dp, overlap=sim.get("overlap", False))
-        schedule = "paci" if "paci" in overlay else "stock"
-        window = sim.get("window")
-        predicted = long_run_period(schedule, 2, gas, window=window,
-                                    cost=CostModel(forward=fwd, backward=bwd, links=links))
+                          grad_bytes=report["grad_bytes_per_stage"], dp=dp, overlap=how.get("overlap", False))
+        cost = CostModel(forward=fwd, backward=bwd, links=links)
+        if how["schedule"] == "stock":
+            predicted = long_run_period("stock", 2, gas, cost=cost)
+        else:
+            predicted = long_run_period("paci", 2, gas, window=how["window"], cost=cost, phase=how["phase"],
+                                        transfers="nonblocking" if how["nonblocking"] else "blocking")
+        for run in report["runs"]:
+            ran = run.get("ran") if run["variant"] == name else None
+            if ran and any(ran[k] != how.get(k) for k in ran if k not in overlay.get("sim", {})):
+                raise RuntimeError(f"variant {name!r}: the engine ran {ran}, the prediction models {how}")
         measured = [t / gas for r in report["runs"] if r["variant"] == name for t in r["seconds_per_batch"]]
         rows[name] = {"measured_s_per_mb": statistics.median(measured), "predicted_s_per_mb": predicted,
-                      "samples": len(measured)}
+                      "samples": len(measured), "modelled": how}
     return {"link": {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth}, "forward_s": fwd,
             "backward_s": bwd, "rows": rows}
 
@@ -284,6 +342,10 @@ def drive(args):
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(markdown(report))
+    for row in done_when(report):
+        print(f"{row['rate_mbit']:g} Mbit/s {row['variant']}: pp2dp2 / pp2 = {row['dp_over_pp']:.3f} "
+              f"({'within' if row['within'] else 'not within'} 1.15); speed-up over stock {row['speedup']:.3f} = "
+              f"{row['of_limit']:.1%} of the limit ({'holds' if row['holds'] else 'below 90%'})")
     return 0
 
 
@@ -306,6 +368,27 @@ def markdown(report):
     return "\n".join(lines)
 
 
+def done_when(report, micro_batches=None, base="pp2", shape="pp2dp2"):
+    """Issue 27's last "done when", per link rate and variant other than the first (stock): ``shape``'s measured
+    seconds per micro-batch over ``base``'s (``within``: at most 1.15), and ``shape``'s speed-up over the first
+    variant as a fraction of the bubble-free limit ``(M+P-1)/M`` at P = 2 (``of_limit``: at least 0.90)."""
+    names = list(report["variants"])
+    m = micro_batches or report["gas"]
+    limit = (m + 1) / m
+    cells = {(c["rate_mbit"], c["shape"]): c["rows"] for c in report["cells"]}
+    out = []
+    for rate in dict.fromkeys(c["rate_mbit"] for c in report["cells"]):
+        if (rate, base) not in cells or (rate, shape) not in cells:
+            continue
+        rows, ref = cells[(rate, shape)], cells[(rate, base)]
+        for n in names[1:]:
+            ratio = rows[n]["measured_s_per_mb"] / ref[n]["measured_s_per_mb"]
+            speedup = rows[names[0]]["measured_s_per_mb"] / rows[n]["measured_s_per_mb"]
+            out.append({"rate_mbit": rate, "variant": n, "dp_over_pp": ratio, "within": ratio <= 1.15,
+                        "speedup": speedup, "of_limit": speedup / limit, "holds": speedup / limit >= 0.90})
+    return out
+
+
 def main(argv=None):
     from ds_paci.tools.processes.rank_job import driver_parser, rank_or_drive
     p = driver_parser(__doc__.split("\n\n")[0])
@@ -314,8 +397,9 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=list(PLACEMENTS), choices=list(PLACEMENTS))
     p.add_argument("--variant", action="append", metavar="NAME=JSON",
                    help="an engine variant: JSON merged into the DeepSpeed config (no \"paci\" key: the stock "
-                        "engine), optional \"sim\": {\"overlap\": bool, \"window\": int} for the prediction; "
-                        "default: stock and today's PACI (lookahead off)")
+                        "engine), optional \"sim\": {\"overlap\": bool, \"window\": int} overriding the "
+                        "prediction's; default: DEFAULT_VARIANTS (stock, paci-before, +diagonal, +overlap, "
+                        "+nonblocking, all)")
     p.add_argument("--f", type=float, default=0.02, help="emulated forward seconds per stage (backward: 2f)")
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--gas", type=int, default=4, help="M, micro-batches per train_batch")
