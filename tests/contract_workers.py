@@ -59,7 +59,10 @@ def channel_exchange(rank, world, calls):
         channel.announce_stop(step=7, count=3, limit=3)
     notice = channel.stop_notice(wait_s=10.0 if rank != 0 else 0.0)
     out["notice"] = None if notice is None else (notice.stage, notice.step, notice.count, notice.limit)
-    # pending receives (DEPTH from the last rank, one per other peer) and sends are still posted here
+    if rank == last:
+        channel.flush(seconds=60.0)  # as the engine does before its group goes (startup.finish_engines)
+    out["gone"] = sorted(channel.gone)  # peers dropped after an error: says where a lost message went
+    # pending receives (DEPTH from the last rank, one per other peer) are still posted here
     channel.close()
     return out
 
