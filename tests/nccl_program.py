@@ -41,19 +41,22 @@ from ds_paci.core.program.tied_timing import tied_lag
 from ds_paci.core.tied.transport import posting_order
 
 
-def windows_of(P, M, window, owners, sync):
+def windows_of(P, M, window, owners, sync, slack=()):
     """Every stage's accumulation window, by the engine's rule (``"auto"`` per stage unless sync or tied)."""
     if window == "auto":
         per_stage = not sync and not owners
-        return [auto_window(P, M, s if per_stage else None) for s in range(P)]
+        return [auto_window(P, M, s if per_stage else None, len(slack)) for s in range(P)]
     return [window or M] * P
 
 
-def lowered_calls(P, M, window, calls, owners=(), sync=False, nonblocking=False):
+def lowered_calls(P, M, window, calls, owners=(), sync=False, nonblocking=False, slack=()):
     """``[(call, [stage s's lowered program])]``, as the engine lowers each call (``nonblocking``: the engine's
-    ``"nonblocking_transfers"``, which sync mode ignores)."""
-    windows = windows_of(P, M, window, owners, sync)
-    streams = [PACIStream(P, s, windows[s], M) for s in range(P)]
+    ``"nonblocking_transfers"``, which sync mode ignores; ``slack``: ``"slack_links"``, refused in sync mode and with
+    tied layers)."""
+    if slack and (sync or owners):
+        raise ValueError("the engine refuses slack links in sync mode and with tied layers")
+    windows = windows_of(P, M, window, owners, sync, slack)
+    streams = [PACIStream(P, s, windows[s], M, slack=slack) for s in range(P)]
     stock = [sync and windows[s] == M for s in range(P)]
     pending = {s: [] for s in owners}
     out = []
@@ -115,12 +118,13 @@ def link_group(kind, a, b, groups="link"):
     return {"link": f"{kind}{min(a, b)}-{max(a, b)}", "direction": kind, "one": "default"}[groups]
 
 
-def derive(P, M, window, calls, D=1, owners=(), sync=False, startup="ours", nonblocking=False, groups="link"):
+def derive(P, M, window, calls, D=1, owners=(), sync=False, startup="ours", nonblocking=False, groups="link",
+           slack=()):
     """``{rank: operations}`` for the run (see the module docstring); ``startup``: ``"ours"`` or ``"deepspeed"``;
     ``nonblocking``: ``"paci": {"nonblocking_transfers": true}`` (async mode only; :func:`_nonblocking_call`), its
     transfers on ``groups`` (:func:`link_group`; only ``"link"`` groups get a start-up exchange of their own)."""
     nonblocking = nonblocking and not sync
-    lowered, windows = lowered_calls(P, M, window, calls, owners, sync, nonblocking)
+    lowered, windows = lowered_calls(P, M, window, calls, owners, sync, nonblocking, slack)
     ids = itertools.count()
     rank = {(s, d): s * D + d for s in range(P) for d in range(D)}
     ranks = {r: _Rank(r, ids) for r in rank.values()}

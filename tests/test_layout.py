@@ -120,7 +120,8 @@ CORE_RULES = {
     "tied": {"program", "seam", "step"},
     "lookahead": {"seam", "step"},
     "engine": {"program", "seam", "step", "tied", "lookahead", "checkpoint", "health", "config"},
-    "config": {"seam", "tied"},
+    "config": {"seam", "tied", "model_checks"},
+    "model_checks": {"tied"},
     "runtime": set(),
     "initialize": {"engine", "config", "health", "seam", "runtime"},
 }

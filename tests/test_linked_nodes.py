@@ -229,3 +229,9 @@ def test_done_when_per_rate_and_variant():
     assert rows[0]["holds"]
     assert rows[1]["dp_over_pp"] == pytest.approx(9 / 7) and not rows[1]["within"]
     assert rows[1]["of_limit"] == pytest.approx(0.10 / 0.09 / 1.25) and not rows[1]["holds"]
+
+
+def test_engine_settings_carry_slack_links_in_async_mode_only():
+    slack = {"paci": {"enabled": True, "nonblocking_transfers": True, "slack_links": [0]}}
+    assert linked.engine_settings(slack, 4, dp=1)["slack"] == [0]
+    assert "slack" not in linked.engine_settings({"paci": {"enabled": True}}, 4, dp=1)

@@ -90,3 +90,18 @@ def test_scale_variants_rows_and_table(tmp_path):
     assert scale.main(["--stages", "2", "--micro-batch-factors", "1", "--scenarios", "ib200", "--variants", "PACI",
                        "diagonal+nb", "--out", str(out)]) == 0
     assert out.read_text().count("| 2 | 2 | ib200 |") == 1
+
+
+def test_slack_on_the_links_between_nodes_takes_the_transfer_off_the_dependence_chain():
+    """``"slack_links"`` on the node boundary (P = 16, eight ranks a node: link 7): with non-blocking transfers the
+    100 Gb/s transfer (0.68 ms) no longer adds to every micro-batch, which it does without slack (a bubble-free
+    stream has no slack); the stream program is the engine's, the link the study's."""
+    links = scale.link_model("ib100-dp4", scale.BlockShape(), 2)
+    assert scale.node_links(16, links) == (7, ) and scale.node_links(32, links) == (7, 15, 23)
+    assert scale.node_links(16, None) == ()
+    (row, ) = scale.rows([16], (4, ), ("ib100-dp4", ), variants=("diagonal+overlap+nb", "diagonal+overlap+nb+slack"))
+    p = row["period_s"]
+    transfer = links.transfer_time(7, 8)
+    assert p["diagonal+overlap+nb"] - p["diagonal+overlap+nb+slack"] > 0.5 * transfer
+    compute = 3 * 2 * scale.stage_costs(scale.BlockShape(), 100e12)
+    assert p["diagonal+overlap+nb+slack"] < compute + 0.5 * transfer < p["diagonal+overlap+nb"]

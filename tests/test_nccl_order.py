@@ -133,6 +133,22 @@ def test_the_nonblocking_program_cannot_deadlock_under_nccl(P):
         check(nccl_program.derive(P, M, window, CALLS[calls], D=D, owners=owners, sync=sync, nonblocking=True), where)
 
 
+@pytest.mark.parametrize("P", range(2, 9))
+def test_slack_links_cannot_deadlock_under_nccl(P):
+    """``"slack_links"``: stages upstream of a listed link hold more micro-batches in flight, and the stage after it
+    sends the gradient of ``m`` at the tick the stage before receives it (blocking), or right after its backward,
+    ahead of that receive (non-blocking: two gradient sends may be issued before the first is received). Both
+    programs over the sampled grid (async, untied: slack is refused elsewhere), one slack set drawn per cell, and
+    every link at once."""
+    rng = random.Random(1000 + P)
+    links = list(range(P - 1))
+    for M, window, _, D, _, calls in cells(P):
+        for slack in (tuple(sorted(rng.sample(links, rng.randint(1, len(links))))), tuple(links)):
+            for nonblocking in (False, True):
+                where = f"P={P} M={M} window={window} D={D} calls={calls} slack={slack} nonblocking={nonblocking}"
+                check(nccl_program.derive(P, M, window, CALLS[calls], D=D, nonblocking=nonblocking, slack=slack), where)
+
+
 def test_nonblocking_transfers_need_a_group_per_link_and_direction():
     """Why the transport has a group per link and direction: on one group for everything, a receive posted ahead sits
     on the pair's stream before a send the peer waits for, and the run deadlocks; one group per direction still
@@ -144,3 +160,21 @@ def test_nonblocking_transfers_need_a_group_per_link_and_direction():
     assert nccl_model.run(direction, "pair", "eager") is None
     assert nccl_model.run(direction, "group", "eager") is not None
     check(nccl_program.derive(4, 4, None, CALLS["train"], nonblocking=True), "link")
+
+
+def test_a_slack_link_needs_the_gradient_sent_when_it_is_received(monkeypatch):
+    """Why the stage after a slack link sends the gradient of ``m`` at the tick the stage before receives it: sent
+    one tick after its backward, as without slack, the blocking program deadlocks (both neighbours in a send)."""
+    from ds_paci.core.program import stream
+    program = nccl_program.derive(4, 4, 3, CALLS["train"], slack=(1, ))
+    check(program, "slack (1,)")
+    build = stream.PACIStream.__init__
+
+    def one_tick_after(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        if self.stage_id:
+            self.up_lag = self.lag + 1
+
+    monkeypatch.setattr(stream.PACIStream, "__init__", one_tick_after)
+    naive = nccl_program.derive(4, 4, 3, CALLS["train"], slack=(1, ))
+    assert nccl_model.run(naive, "pair", "eager") is not None

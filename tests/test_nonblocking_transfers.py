@@ -23,10 +23,20 @@ def test_config_key():
 
 @pytest.mark.process
 @pytest.mark.xdist_group("nonblocking")
-@pytest.mark.parametrize("stages,gas,window", [(2, 3, 2), (4, 4, 3)])
-def test_nonblocking_transfers_equal_the_blocking_engine(stages, gas, window):
-    results = run_world(transfer_workers.blocking_vs_nonblocking, 2 * stages, stages, True, gas, window,
+@pytest.mark.parametrize("stages,gas,window,slack", [(2, 3, 2, ()), (4, 4, 3, ()), (4, 4, 3, (1, ))])
+def test_nonblocking_transfers_equal_the_blocking_engine(stages, gas, window, slack):
+    """Tied weights without slack links; with a slack link (refused with tied layers) untied: the gradient of ``m``
+    leaves the stage after the link two ticks before the stage before it receives it, so two gradient sends can be
+    issued ahead of their receives; still equal to the blocking engine's program, where that send waits."""
+    results = run_world(transfer_workers.blocking_vs_nonblocking, 2 * stages, stages, not slack, gas, window, slack,
                         timeout=300)
+    for r in results:
+        stage = r["blocking"]["stage"]
+        extra = sum(1 for b in slack if b >= stage)
+        assert r["nonblocking"]["slack"] == tuple(slack)
+        # in flight P - s + k_s, one buffer more right after a slack link (its gradient waits there)
+        after = stage > 0 and sum(1 for b in slack if b >= stage - 1) > extra
+        assert r["nonblocking"]["nbuf"] == max(2, stages - stage + extra + after), (stage, r["nonblocking"]["nbuf"])
     for r in results:
         blocking, nonblocking = r["blocking"], r["nonblocking"]
         assert blocking["stats"] is None and nonblocking["in_flight"] == 0

@@ -13,7 +13,8 @@ Example (JSON)::
         "trace": false,
         "check_tied_copies": false,
         "overlap_reduce": true,
-        "nonblocking_transfers": false
+        "nonblocking_transfers": false,
+        "slack_links": []
     }
 
 Keys (every one optional):
@@ -92,6 +93,17 @@ Keys (every one optional):
     :func:`ds_paci.core.program.passes.hoist_sends`), each receive posted one micro-batch ahead, everything
     waited for at a drain (:mod:`ds_paci.core.engine.transfers`, whose docstring argues why the order cannot
     deadlock on NCCL). Sync mode keeps DeepSpeed's blocking transfers.
+``slack_links`` (list of link ids, default ``[]``)
+    Links that get one micro-batch of slack (:mod:`ds_paci.core.program.stream`, "Slack links"): link ``b`` joins
+    stage ``b`` to stage ``b+1`` (``0 <= b <= P-2``); list the slow ones, the links between nodes (with 8 GPUs a
+    node and one stage a GPU: ``[7, 15, ...]``). Every stage ``s`` holds ``k_s`` more micro-batches in flight than
+    1F1B's ``P - s`` (``k_s``: listed links at or after ``s``), so that with ``nonblocking_transfers`` a transfer
+    over a listed link is no longer on the pipeline's dependence chain (simulated at P = 16, M = 4P, 100 Gb/s
+    between nodes: 7.92 -> 7.36 ms per micro-batch, ``docs/results/scale.md``). Costs: stage 0 holds ``P + k_0``
+    micro-batches' activations instead of ``P`` (the peak), the drift bound becomes ``ceil((P-1-s+k_s)/a)`` and
+    ``"auto"`` widens its window to ``P-1+k_0`` to keep it at 1. Blocking transfers gain nothing from it (both
+    ends wait for a transfer either way). Async mode only, and not with tied layers on several stages (both
+    refused at start-up, one line each).
 
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
 names the key, the value and what is allowed. ``ds_paci.initialize`` and
@@ -136,6 +148,7 @@ class PACIConfig:
     overlap_bucket_elements: int = 1 << 22
     nonblocking_transfers: bool = False
     step_phase: Optional[str] = None  # None: DEFAULT_STEP_PHASE in async mode, "aligned" in sync mode
+    slack_links: tuple = ()  # links b (stage b -> b+1) with one micro-batch of slack, sorted
 
     def phase_rule(self, stock_step, tied=False):
         """The step phase a run uses: ``"aligned"`` in sync mode (``stock_step``) and where tied layers span stages
@@ -146,7 +159,7 @@ class PACIConfig:
         """The accumulation window ``a`` of stage ``stage`` for ``M = gradient_accumulation_steps`` on ``stages``
         stages (``stage=None``: one window for every stage, see :func:`auto_window`)."""
         if self.accumulation_window == AUTO:
-            return auto_window(stages, gradient_accumulation_steps, stage)
+            return auto_window(stages, gradient_accumulation_steps, stage, extra=len(self.slack_links))
         return self.accumulation_window or gradient_accumulation_steps
 
 
@@ -157,9 +170,11 @@ STEP_PHASES = ("aligned", "diagonal")  # ds_paci.core.program.stream.STEP_PHASES
 DEFAULT_STEP_PHASE = "aligned"
 
 
-def auto_window(stages, micro_batches, stage=None):
+def auto_window(stages, micro_batches, stage=None, extra=0):
     """``"accumulation_window": "auto"``: ``a = max(P-1, ceil(M/3))`` on every stage (``stage`` is accepted for the
-    callers that ask per stage; since issue 30 the answer does not depend on it). One stage: ``M``.
+    callers that ask per stage; since issue 30 the answer does not depend on it). One stage: ``M``. ``extra``: the
+    slack links (``"slack_links"``), which add as many micro-batches in flight at stage 0: ``P-1`` becomes
+    ``P-1+extra`` so that the drift bound stays 1.
 
     Drift at stage ``s`` is ``ceil((P-1-s)/a)``: ``a >= P-1`` keeps it at most 1 everywhere, the one version the
     look-ahead predicts. ``a = P-1`` trained as well as or better than every other window in the sweep's ``M = P``
@@ -175,7 +190,7 @@ def auto_window(stages, micro_batches, stage=None):
     """
     if stages <= 1:
         return max(micro_batches, 1)
-    return max(stages - 1, -(-micro_batches // 3), 1)
+    return max(stages - 1 + extra, -(-micro_batches // 3), 1)
 
 
 _KEYS = {
@@ -193,6 +208,7 @@ _KEYS = {
     "overlap_reduce": "true or false",
     "overlap_bucket_elements": "an integer >= 1",
     "nonblocking_transfers": "true or false",
+    "slack_links": "a list of link ids b >= 0 (link b joins stage b to stage b+1), e.g. [7]",
 }
 
 
@@ -258,6 +274,11 @@ def parse_paci_section(section):
         if phase is not None and phase not in STEP_PHASES:
             raise bad("step_phase", phase)
         kw["step_phase"] = phase
+    if "slack_links" in section:
+        links = section["slack_links"]
+        if not isinstance(links, list) or not all(_is_int(b) and b >= 0 for b in links):
+            raise bad("slack_links", links)
+        kw["slack_links"] = tuple(sorted(set(links)))
     if "overlap_bucket_elements" in section:
         n = section["overlap_bucket_elements"]
         if not _is_int(n) or n < 1:
@@ -406,9 +427,10 @@ def validate_run(ds_config, model, paci):
         raise PACIConfigError(f'"paci.enabled" needs a deepspeed.pipe.PipelineModule, got {type(model).__name__}; '
                               'build the model as PipelineModule(layers=..., num_stages=...) or remove the "paci" section')
     check_config(ds_config, paci)
-    problem = model_parallel_problem(ds_config, model)
-    if problem:
-        raise PACIConfigError(problem)
+    from .model_checks import model_parallel_problem, slack_links_problem
+    for problem in (model_parallel_problem(ds_config, model), slack_links_problem(paci, model)):
+        if problem:
+            raise PACIConfigError(problem)
     if not paci.drain_every_batch:
         from .tied.layout import tied_arrangement_problem
         tied = tied_arrangement_problem(ds_config, model)
@@ -422,30 +444,6 @@ def validate_run(ds_config, model, paci):
                                       'on several stages (their exchange lag assumes aligned steps); remove '
                                       '"step_phase" or use "aligned"')
     return copy.deepcopy(ds_config)
-
-
-def model_parallel_problem(ds_config, model):
-    """One line if the run asks for model (tensor) parallelism of size > 1, else ``None`` (the same on every rank).
-
-    PACI's stage norms, clip coefficients, non-finite verdicts and the look-ahead's clip source are per rank, with
-    no reduction over a model-parallel slice: the slices of a stage would clip and skip apart. So a topology with a
-    ``model`` axis of size > 1 (``PipeModelDataParallelTopology(num_pp, num_mp > 1, num_dp)``) and DeepSpeed's
-    AutoTP (``"tensor_parallel": {"autotp_size" > 1}``) are refused at ``initialize``.
-    """
-    topo = model.topology() if hasattr(model, "topology") else None
-    mp = topo.get_dim("model") if topo is not None else 0
-    if mp > 1:
-        return (f"ds_paci: model (tensor) parallelism is not supported: the PipelineModule's topology has a \"model\" "
-                f"axis of size {mp} ({type(topo).__name__}); PACI clips and skips each rank by its own norm, so the "
-                "slices of a stage would drift apart: use a topology without a model axis (PipeDataParallelTopology, "
-                "or PipelineModule(num_stages=...)), or remove the \"paci\" section to train with stock DeepSpeed")
-    autotp = (ds_config.get("tensor_parallel") or {}).get("autotp_size", 0)
-    if isinstance(autotp, int) and autotp > 1:
-        return (f"ds_paci: model (tensor) parallelism is not supported: \"tensor_parallel.autotp_size\" = {autotp}; "
-                "PACI clips and skips each rank by its own norm, so the slices of a stage would drift apart: remove "
-                "\"tensor_parallel\" (or set autotp_size to 1), or remove the \"paci\" section to train with stock "
-                "DeepSpeed")
-    return None
 
 
 def engine_config(args, kwargs):

@@ -149,7 +149,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         self._stock_step = self.paci.drain_every_batch and window == self.micro_batches
         self._step_phase = self.paci.phase_rule(self._stock_step, tied=bool(tied_owner_stages(self.module)))
         self._stream = PACIStream(self.num_stages, self.stage_id, window, self.micro_batches,
-                                  step_phase(self._step_phase, self.stage_id, window))
+                                  step_phase(self._step_phase, self.stage_id, window),
+                                  () if self._stock_step else self.paci.slack_links)
         ds.reserve_pipe_buffers(self, self._stream.nbuf)
         self._aliases = make_stage_local(self, confine=not self._stock_step)
         compat.adapt_engine(self, stock=self._stock_step)  # what differs between DeepSpeed versions
@@ -158,7 +159,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                                         stage=self.stage_id,
                                         stages=self.num_stages,
                                         window=self._stream.window,
-                                        bound=drift_bound(self.num_stages, self.stage_id, self._stream.window),
+                                        bound=drift_bound(self.num_stages, self.stage_id, self._stream.window,
+                                                          self._stream.slack),
                                         trace=self.paci.trace)
         self._feed = MicroBatchFeed()
         self._in_stream = False
@@ -294,7 +296,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         if self.paci.accumulation_window in (None, "auto") or self._stock_step:
             window = self.micro_batches if self._stock_step else self._configured_window()
             self.telemetry.window = window
-            self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window)
+            self.telemetry.bound = drift_bound(self.num_stages, self.stage_id, window, self._stream.slack)
         phase = step_phase(self._step_phase, self.stage_id, window or self._stream.window)
         self._stream.set_micro_batches(self.micro_batches, window, phase)
 

@@ -86,7 +86,8 @@ def startup_lines(paci, stages, micro_batches, windows, lookahead, clipping, dee
     ``tied``: tied layers span stages (``"auto"`` then takes one window, stage 0's, on every stage).
     """
     sync = paci.drain_every_batch
-    bounds = [0 if sync and w == micro_batches else drift_bound(stages, s, w) for s, w in enumerate(windows)]
+    bounds = [0 if sync and w == micro_batches else drift_bound(stages, s, w, paci.slack_links)
+              for s, w in enumerate(windows)]
     if sync:
         look = "off (sync mode)"
     elif lookahead is True:
@@ -100,7 +101,7 @@ def startup_lines(paci, stages, micro_batches, windows, lookahead, clipping, dee
              f"{look}; gradient clipping {clipping}; {deepspeed_text}"]
     over = [s for s, b in enumerate(bounds) if b > 1]
     if over and lookahead is True and not sync:
-        auto = [auto_window(stages, micro_batches, None if tied else s) for s in range(stages)]
+        auto = [auto_window(stages, micro_batches, None if tied else s, len(paci.slack_links)) for s in range(stages)]
         lines.append(f"ds_paci: advice: drift bound {[bounds[s] for s in over]} > 1 on stage(s) {over}: forwards there "
                      f"cross up to that many local steps, while the look-ahead predicts one; \"accumulation_window\": "
                      f"\"auto\" would choose windows {auto} (drift bound <= 1 on every stage)")
@@ -123,6 +124,11 @@ def announce(engine):
     for line in startup_lines(engine.paci, engine.num_stages, engine.micro_batches, windows, look, engine._clipping,
                               compat.describe(), tied):
         say(line)
+    if engine._stream.slack:
+        from ..program.stream import slack_count
+        extra = [slack_count(engine._stream.slack, s) for s in range(engine.num_stages)]
+        say(f"ds_paci: slack links {list(engine._stream.slack)}: stage s holds P - s + k_s micro-batches in flight, "
+            f"k_s = {extra} (stage 0: {engine.num_stages + extra[0]} instead of {engine.num_stages})")
     if engine._step_phase == "diagonal":
         say("ds_paci: step phase diagonal (stage s steps after its c-th backward pass with c = s mod a, a partial first "
             f"window; phases {[s % a for s, a in enumerate(windows)]})")

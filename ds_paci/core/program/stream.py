@@ -13,7 +13,7 @@ stage ``s`` of ``P`` and segment-local micro-batch ``m``::
     forward  of m at tick 2*m + s
     backward of m at tick 2*m + 2*P - s - 1
 
-so stage ``s`` never holds more than ``P - s`` micro-batches in flight, and between
+(without slack links, below) so stage ``s`` never holds more than ``P - s`` micro-batches in flight, and between
 a micro-batch's forward and its backward the stage runs exactly ``min(m, P-1-s)``
 other backward passes. With a local optimizer step after every ``window``-th
 backward, a micro-batch crosses at most ``ceil((P-1-s)/window)`` steps (its drift).
@@ -58,6 +58,24 @@ unchanged: within a segment consecutive steps are ``a`` backward passes apart an
 after the segment's start, so ``n`` consecutive backward passes hold at most ``ceil(n/a)`` steps. Forwards in a
 partial window carry its size (``open_window``) for the look-ahead.
 
+**Slack links** (``"paci": {"slack_links": [...]}``). A bubble-free stream has no slack: stage ``s+1`` needs the
+activation stage ``s`` computed one slot before, and ``s`` the gradient ``s+1`` computed one slot before, so every
+micro-batch waits for one transfer over each link of the dependence chain (with non-blocking transfers as well:
+only the sender stops waiting). Over a slow link (between nodes) that transfer adds to every micro-batch. A slack
+link ``b`` (stage ``b`` to ``b+1``) gives it one micro-batch more: every stage ``s <= b`` runs one more forward
+before its backward, i.e. with ``k_s`` the slack links at or after ``s``::
+
+    forward  of m at tick 2*m + s                   (unchanged)
+    backward of m at tick 2*m + 2*P - s - 1 + 2*k_s
+
+Stage ``s`` then holds ``P - s + k_s`` micro-batches in flight (stage 0, the peak, ``P + k_0``) and a micro-batch
+crosses at most ``ceil((P-1-s+k_s)/a)`` local steps. Across a slack link stage ``b`` receives the gradient of ``m``
+two ticks after stage ``b+1`` computed it; the stream puts ``b+1``'s send at the tick of ``b``'s receive (a blocking
+send one tick after the backward, as without slack, would meet ``b`` in a send of its own and deadlock), and its
+input buffer of ``m`` holds that gradient until then (one buffer more there). With non-blocking transfers the send
+is hoisted to right after the backward and the transfer overlaps the extra slot, which is the point; blocking
+transfers gain nothing (both ends wait for it). The drain is ``2 k_0`` ticks longer on every stage.
+
 Text form: :mod:`ds_paci.core.program.actions` (``L7``, ``F7[0,x]``, ``B7``, ``SA7``, ``RG7``,
 ``ACC7``, ``STEP3``; a tick joined by ``,``, a stream by `` | ``).
 
@@ -71,7 +89,7 @@ import math
 from .actions import Action, Kind, format_stage, parse_stage
 
 __all__ = [
-    "PACIStream", "num_buffers", "buffer_of", "drift_bound", "crosses_local_step", "format_stream", "parse_stream",
+    "PACIStream", "num_buffers", "buffer_of", "drift_bound", "slack_count", "check_slack", "crosses_local_step", "format_stream", "parse_stream",
     "STEP_PHASES", "step_phase"
 ]
 
@@ -82,14 +100,31 @@ format_stream = format_stage  # one stage's ticks as text (see ds_paci.core.prog
 parse_stream = parse_stage  # (text, stage) -> ticks
 
 
-def num_buffers(stages, stage_id):
-    """Activation buffers stage ``stage_id`` needs: its 1F1B in-flight limit ``P - s`` (at least 2)."""
-    return max(2, stages - stage_id)
+def slack_count(slack, stage_id):
+    """``k_s``: the slack links at or after stage ``stage_id`` (``slack``: stages ``b`` whose link to ``b+1`` has
+    slack); stage ``s`` holds ``k_s`` micro-batches more in flight than 1F1B's ``P - s``."""
+    return sum(1 for b in set(slack) if b >= stage_id)
 
 
-def buffer_of(stages, stage_id, micro_batch):
+def check_slack(stages, slack):
+    """``slack`` as a sorted tuple; ``ValueError`` naming the problem unless every entry is a link ``0 <= b < P-1``."""
+    out = tuple(sorted(set(int(b) for b in slack)))
+    bad = [b for b in out if not 0 <= b < stages - 1]
+    if bad:
+        raise ValueError(f"slack links {bad} do not exist: a link b joins stage b to b+1, so 0 <= b <= {stages - 2}")
+    return out
+
+
+def num_buffers(stages, stage_id, slack=()):
+    """Activation buffers stage ``stage_id`` needs: its in-flight limit ``P - s + k_s`` (at least 2), and for a stage
+    right after a slack link one more (its gradient of ``m`` waits for the upstream stage's later backward)."""
+    upstream = slack_count(slack, stage_id - 1) if stage_id > 0 else slack_count(slack, 0)
+    return max(2, stages - stage_id + upstream)
+
+
+def buffer_of(stages, stage_id, micro_batch, slack=()):
     """The activation buffer of ``micro_batch`` at stage ``stage_id`` (micro-batches rotate through them)."""
-    return micro_batch % num_buffers(stages, stage_id)
+    return micro_batch % num_buffers(stages, stage_id, slack)
 
 
 def step_phase(rule, stage_id, window):
@@ -101,9 +136,9 @@ def step_phase(rule, stage_id, window):
     raise ValueError(f"unknown step phase {rule!r}; use one of {', '.join(STEP_PHASES)}")
 
 
-def drift_bound(stages, stage_id, window):
+def drift_bound(stages, stage_id, window, slack=()):
     """Most weight versions a micro-batch can cross between forward and backward at a stage."""
-    return math.ceil((stages - 1 - stage_id) / window)
+    return math.ceil((stages - 1 - stage_id + slack_count(slack, stage_id)) / window)
 
 
 def crosses_local_step(window, window_fill, backwards_between):
@@ -132,13 +167,14 @@ class PACIStream:
             the learning-rate rule (``Action.lr_steps``). Default: ``window``.
         phase: ``0 <= phase < window`` (:func:`step_phase`): the first window (and the first after each closing
             drain) closes after ``phase`` backward passes when ``phase > 0``.
+        slack: the slack links ``b`` (stage ``b`` to ``b+1``; "Slack links" above), the same on every stage.
 
     State advances only through :meth:`advance` and :meth:`drain`, which return the
     ticks to execute. Every stage of a pipeline must be advanced by the same tick
     counts, in the same order, so their point-to-point transfers pair up.
     """
 
-    def __init__(self, stages, stage_id, window, micro_batches=None, phase=0):
+    def __init__(self, stages, stage_id, window, micro_batches=None, phase=0, slack=()):
         if stages < 1 or not 0 <= stage_id < stages:
             raise ValueError(f"invalid stage {stage_id} of {stages}")
         if window < 1:
@@ -146,11 +182,16 @@ class PACIStream:
         if not 0 <= phase < window:
             raise ValueError(f"step phase must be in [0, {window}), got {phase}")
         self.phase = phase
+        self.slack = check_slack(stages, slack)
+        self.extra = slack_count(self.slack, stage_id)  # k_s: micro-batches in flight beyond 1F1B's P - s
+        self.lag = 2 * stages - stage_id - 1 + 2 * self.extra  # backward of m at tick 2m + lag
+        # the upstream stage receives the gradient of m at tick 2m + up_lag: this stage sends it then
+        self.up_lag = 2 * stages - stage_id + 2 * slack_count(self.slack, stage_id - 1) if stage_id else None
         self.stages = stages
         self.stage_id = stage_id
         self.window = window
         self.micro_batches = micro_batches or window
-        self.nbuf = num_buffers(stages, stage_id)
+        self.nbuf = num_buffers(stages, stage_id, self.slack)
         self.segment_tick = 0  # ticks emitted in the current segment
         self.segment_base = 0  # global id of the segment's micro-batch 0
         self.window_fill = 0  # backward passes in the open window (carried across a drain that leaves it open)
@@ -174,7 +215,7 @@ class PACIStream:
         """Micro-batches forwarded but not yet backwarded at this stage."""
         t, s, P = self.segment_tick, self.stage_id, self.stages
         forwarded = max(0, (t - s + 1) // 2)  # m with 2m + s < t
-        backwarded = max(0, (t - (2 * P - s - 1) + 1) // 2)
+        backwarded = max(0, (t - self.lag + 1) // 2)
         return forwarded - backwarded
 
     def next_micro_batch(self):
@@ -187,7 +228,7 @@ class PACIStream:
         s, P = self.stage_id, self.stages
         if (t - s) % 2 == 0:
             return (t - s) // 2, True
-        return (t - (2 * P - s - 1)) // 2, False
+        return (t - self.lag) // 2, False
 
     def _tick(self, t, limit):
         """Instructions of segment tick ``t``; micro-batches ``>= limit`` are not started (None = unbounded)."""
@@ -200,8 +241,9 @@ class PACIStream:
         prev, _ = self._step_id(t - 1) if t > 0 else (-1, None)
         cmds = []
         if is_forward:
-            if valid(prev) and s > 0:
-                cmds.append(Action(s, Kind.SEND_GRAD, base + prev))
+            sent = (t - self.up_lag) // 2 if s > 0 else -1  # = prev without slack
+            if valid(sent) and s > 0:
+                cmds.append(Action(s, Kind.SEND_GRAD, base + sent))
             if valid(m) and s > 0:
                 cmds.append(Action(s, Kind.RECV_ACT, base + m))
             if valid(m) and (s == 0 or s == P - 1):
@@ -211,7 +253,8 @@ class PACIStream:
                 # step will fall between this forward and its backward (the look-ahead predicts for those).
                 target = self.window_target
                 cmds.append(Action(s, Kind.FORWARD, base + m, window_fill=self.window_fill,
-                                   crosses_step=crosses_local_step(target, self.window_fill, min(m, P - 1 - s)),
+                                   crosses_step=crosses_local_step(target, self.window_fill,
+                                                                   min(m, P - 1 - s + self.extra)),
                                    open_window=None if target == self.window else target))
         else:
             if valid(m) and s < P - 1:
@@ -280,7 +323,7 @@ class PACIStream:
         next segment continues it (``window_fill`` > 0).
         """
         limit = self.loaded()
-        end = 2 * (limit + self.stages - 1) if limit else 0
+        end = 2 * (limit + self.stages - 1 + slack_count(self.slack, 0)) if limit else 0
         ticks = [self._tick(t, limit) for t in range(self.segment_tick, end)]
         if self.window_fill and close_window:
             step = self._local_step()

@@ -3,10 +3,10 @@
 What runs is what is checked: the engine executes the lowered program (:mod:`ds_paci.core.program.passes`), and
 :func:`validate` reads that same program. Per stage (:func:`stage_violations`): forward before backward
 of every micro-batch, loads only on the first and last stage and before the forward, in-flight
-``<= P - s``, a local step after exactly every ``window``-th backward of a window (counting the ones a
+``<= P - s + k_s`` (``k_s``: slack links at or after ``s``), a local step after exactly every ``window``-th backward of a window (counting the ones a
 segment carries in; the segment's first window may be a partial one, the step phase's, of a size the caller
 states; a final partial window may close at the end), step versions consecutive, drift
-``<= ceil((P-1-s)/window)``, activation buffers never reused while occupied, the forwards' facts
+``<= ceil((P-1-s+k_s)/window)``, activation buffers never reused while occupied, the forwards' facts
 (``window_fill``, ``crosses_step``, ``open_window``) true, a tied post right before its step and no tied window applied
 before its lag allows. Across stages (:func:`pairing_violations`): sends and receives pair up, in order.
 Tied timing (``tied`` given): :func:`ds_paci.core.program.tied_timing.tied_wait_violations`.
@@ -15,7 +15,7 @@ Every function returns a list of messages; empty means valid. Pure data.
 """
 
 from .actions import Kind
-from .stream import buffer_of, drift_bound
+from .stream import buffer_of, drift_bound, slack_count
 
 __all__ = ["validate", "stage_violations", "stream_violations", "pairing_violations"]
 
@@ -23,10 +23,13 @@ __all__ = ["validate", "stage_violations", "stream_violations", "pairing_violati
 class _StageCheck:
     """The running state of :func:`stage_violations` over one stage's actions."""
 
-    def __init__(self, stages, stage_id, window, start_version, start_fill, start_target=None):
-        self.stages, self.stage_id, self.window = stages, stage_id, window
+    def __init__(self, stages, stage_id, window, start_version, start_fill, start_target=None, slack=()):
+        self.stages, self.stage_id, self.window, self.slack = stages, stage_id, window, tuple(slack)
+        self.limit = stages - stage_id + slack_count(slack, stage_id)  # most micro-batches in flight
+        # right after a slack link the input buffer of m holds its gradient until the later SEND_GRAD
+        self.held_to_send = stage_id > 0 and slack_count(slack, stage_id - 1) > slack_count(slack, stage_id)
         self.target = window if start_target is None else start_target  # the open window's size
-        self.bound = drift_bound(stages, stage_id, window)
+        self.bound = drift_bound(stages, stage_id, window, slack)
         self.fwd_version, self.occupied, self.crossing_tag = {}, {}, {}
         self.done, self.loaded = set(), set()
         self.version, self.fill = start_version, start_fill
@@ -47,7 +50,7 @@ class _StageCheck:
             self.out.append(f"{where}: forward twice")
         if (self.stage_id == 0 or self.stage_id == self.stages - 1) and m not in self.loaded:
             self.out.append(f"{where}: forward before load")
-        b = buffer_of(self.stages, self.stage_id, m)
+        b = buffer_of(self.stages, self.stage_id, m, self.slack)
         if b in self.occupied:
             self.out.append(f"{where}: buffer {b} still holds micro-batch {self.occupied[b]}")
         self.occupied[b] = m
@@ -59,8 +62,8 @@ class _StageCheck:
             if tagged != self.target:
                 self.out.append(f"{where}: tagged open window {tagged}, the open window closes after {self.target}")
             self.crossing_tag[m] = a.crosses_step
-        if len(self.fwd_version) > self.stages - self.stage_id:
-            self.out.append(f"{where}: {len(self.fwd_version)} in flight > {self.stages - self.stage_id}")
+        if len(self.fwd_version) > self.limit:
+            self.out.append(f"{where}: {len(self.fwd_version)} in flight > {self.limit}")
 
     def backward(self, t, a):
         m, where = a.micro_batch, self.where(t, a)
@@ -72,9 +75,15 @@ class _StageCheck:
             self.out.append(f"{where}: drift {drift} > bound {self.bound}")
         if m in self.crossing_tag and self.crossing_tag.pop(m) != (drift >= 1):
             self.out.append(f"{where}: forward tagged crosses_step={not drift >= 1} but crossed {drift} steps")
-        self.occupied.pop(buffer_of(self.stages, self.stage_id, m), None)
+        if not self.held_to_send:
+            self.release(m)
         self.done.add(m)
         self.fill += 1
+
+    def release(self, m):
+        b = buffer_of(self.stages, self.stage_id, m, self.slack)
+        if self.occupied.get(b) == m:
+            del self.occupied[b]
 
     def step(self, t, a, last):
         where = self.where(t, a)
@@ -106,18 +115,19 @@ def _last_step_index(ticks):
 
 
 def stage_violations(ticks, stages, stage_id, window, expect_drained=True, start_version=0, start_fill=0,
-                     expect_closed=None, start_target=None):
+                     expect_closed=None, start_target=None, slack=()):
     """Check one segment of one stage's ticks against the PACI contract (see the module docstring).
 
     A segment is what runs between two drains (or from the start); ``start_version`` is the weight version
     it starts at and ``start_fill`` the backward passes already in its open window (a window carried across
     the drain before it). ``start_target``: the size of that open window (default ``window``; the step phase's
-    partial first window: :mod:`ds_paci.core.program.stream`). ``expect_drained``: nothing in flight at the end;
+    partial first window: :mod:`ds_paci.core.program.stream`). ``slack``: the stream's slack links (in-flight limit,
+    buffers and drift bound grow with them). ``expect_drained``: nothing in flight at the end;
     ``expect_closed`` (by default ``expect_drained``): no open window at the end.
     """
     if expect_closed is None:
         expect_closed = expect_drained
-    check = _StageCheck(stages, stage_id, window, start_version, start_fill, start_target)
+    check = _StageCheck(stages, stage_id, window, start_version, start_fill, start_target, slack)
     flat = [(t, a) for t, tick in enumerate(ticks) for a in tick]
     steps_after = {}  # position -> version of the next STEP
     upcoming = None
@@ -134,6 +144,8 @@ def stage_violations(ticks, stages, stage_id, window, expect_drained=True, start
             check.forward(t, a)
         elif kind is Kind.BACKWARD:
             check.backward(t, a)
+        elif kind is Kind.SEND_GRAD and check.held_to_send:
+            check.release(a.micro_batch)
         elif kind is Kind.ACCUMULATE and a.micro_batch not in check.done:
             check.out.append(f"{check.where(t, a)}: accumulate before backward")
         elif kind is Kind.STEP:
@@ -172,14 +184,15 @@ def pairing_violations(program):
 
 
 def validate(program, window, expect_drained=True, start_versions=None, start_fills=None, tied_owners=None,
-             tied_lag=None, start_targets=None, phases=None):
+             tied_lag=None, start_targets=None, phases=None, slack=()):
     """Every check over one segment of a whole program (``program[s]`` = stage ``s``'s ticks).
 
     ``window``: ``a`` (one for all stages, or a list per stage); ``start_versions`` / ``start_fills`` /
     ``start_targets``: per stage, as :func:`stage_violations` takes them; ``phases``: per stage, the step phase of a
     program that starts a segment family (the start, or after a closing drain): its first window's size is the
     phase, or ``a`` where the phase is 0 (used where ``start_targets`` is not given); ``tied_owners`` and ``tied_lag``: also check that the
-    lag makes every tied wait free (:func:`ds_paci.core.program.tied_timing.tied_wait_violations`).
+    lag makes every tied wait free (:func:`ds_paci.core.program.tied_timing.tied_wait_violations`); ``slack``: the
+    streams' slack links (:mod:`ds_paci.core.program.stream`).
     """
     P = len(program)
     windows = window if isinstance(window, (list, tuple)) else [window] * P
@@ -189,7 +202,7 @@ def validate(program, window, expect_drained=True, start_versions=None, start_fi
     for s, ticks in enumerate(program):
         out += stage_violations(ticks, P, s, windows[s], expect_drained=expect_drained,
                                 start_version=(start_versions or [0] * P)[s], start_fill=(start_fills or [0] * P)[s],
-                                start_target=(start_targets or [None] * P)[s])
+                                start_target=(start_targets or [None] * P)[s], slack=slack)
     out += pairing_violations(program)
     if tied_owners:
         from .tied_timing import tied_wait_violations

@@ -51,6 +51,7 @@ class CheckSpec:
     seed: int = 1234
     data_seed: int = 7
     step_phase: str = "aligned"
+    slack_links: tuple = ()
 
     def config(self):
         """The DeepSpeed config of the engine run (the benchmark's, :func:`ds_paci.tools.bench.runner.ds_config`)."""
@@ -63,6 +64,8 @@ class CheckSpec:
             if self.window is not None:
                 config["paci"]["accumulation_window"] = self.window
             config["paci"]["step_phase"] = self.step_phase
+            if self.slack_links:
+                config["paci"]["slack_links"] = list(self.slack_links)
         return config
 
     def model_config(self):
@@ -170,7 +173,8 @@ def replay_run(spec: CheckSpec) -> dict:
     mode = "sync" if spec.mode == "stock" else spec.mode
     result = replay(model, spec.stages, spec.micro_batches, train_iter, val, spec.steps, mode=mode,
                     window=spec.window, lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0,
-                    evaluation=Evaluation(every=spec.eval_every), step_phase=spec.step_phase)
+                    evaluation=Evaluation(every=spec.eval_every), step_phase=spec.step_phase,
+                    slack_links=spec.slack_links)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"call_losses": result.call_losses, "curve": result.curve, "weights": weights, "windows": result.windows}
 

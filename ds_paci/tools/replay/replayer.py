@@ -130,13 +130,13 @@ def stage_slices(model: torch.nn.Sequential, stages: int) -> list:
     return [(starts[s], starts[s + 1]) for s in range(stages)]
 
 
-def stage_windows(window, stages: int, micro_batches: int) -> list:
-    """Each stage's window: ``None`` (M), an int, ``"auto"`` (:func:`~ds_paci.core.config.auto_window`) or a
-    sequence of ``stages`` ints."""
+def stage_windows(window, stages: int, micro_batches: int, extra: int = 0) -> list:
+    """Each stage's window: ``None`` (M), an int, ``"auto"`` (:func:`~ds_paci.core.config.auto_window`; ``extra``:
+    the slack links it widens for) or a sequence of ``stages`` ints."""
     if window is None:
         return [micro_batches] * stages
     if window == "auto":  # one window on every stage since issue 30, as the engine
-        return [auto_window(stages, micro_batches, s) for s in range(stages)]
+        return [auto_window(stages, micro_batches, s, extra) for s in range(stages)]
     if isinstance(window, int):
         return [window] * stages
     windows = [int(a) for a in window]
@@ -196,10 +196,10 @@ class _Stage:
     """One stage's layers, optimizers (on ``.data`` aliases), look-aheads, schedulers and stream."""
 
     def __init__(self, part, stages, stage_id, window, micro_batches, optimizer, lr, betas, weight_decay, restore,
-                 scheduler, phase=0, candidate=None):
+                 scheduler, phase=0, candidate=None, slack=()):
         self.part = part
         self.window = window
-        self.stream = PACIStream(stages, stage_id, window, micro_batches, phase)
+        self.stream = PACIStream(stages, stage_id, window, micro_batches, phase, slack)
         self.optimizers = make_optimizers(part, optimizer, lr, betas, weight_decay)
         self.aliases = [ParamAliases(opt) for opt in self.optimizers]
         if candidate is not None and candidate.custom_prediction:
@@ -364,11 +364,12 @@ def validation_loss(model, val_batches, micro_batches, device=None, autocast=Non
 def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="lookahead", window=None, lr=1e-3,
            betas=(0.9, 0.95), weight_decay=0.0, schedule="constant", warmup=20, cos_min_ratio=0.1, eval_every=100,
            restore=None, echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
-           autocast=None, step_phase="aligned", candidate=None) -> ReplayResult:
+           autocast=None, step_phase="aligned", candidate=None, slack_links=()) -> ReplayResult:
     """Train ``model`` (an ``nn.Sequential`` of GPT-2 layers) on PACI streams; returns a :class:`ReplayResult`.
 
     ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`. ``step_phase``: the
-    engine's ``paci.step_phase`` (``"aligned"`` or ``"diagonal"``; sync mode is always aligned).
+    engine's ``paci.step_phase`` (``"aligned"`` or ``"diagonal"``; sync mode is always aligned); ``slack_links``:
+    the engine's ``paci.slack_links`` (sync mode has none).
     ``evaluation``: an :class:`Evaluation` (default: every ``eval_every`` steps, draining first, as the
     engine). ``lr_scales``: per-stage factors on ``lr`` (default 1). ``optimizer``: ``adamw`` or ``muon``.
     ``restore``: the look-ahead's restore mode (default: the engine's, ``PACIConfig.lookahead_restore``).
@@ -383,7 +384,8 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
         raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
     restore = restore or PACIConfig().lookahead_restore  # the engine's default
     evaluation = evaluation or Evaluation(every=eval_every)
-    windows = stage_windows(window, stages, micro_batches)
+    slack = () if mode == "sync" else tuple(slack_links)
+    windows = stage_windows(window, stages, micro_batches, len(set(slack)))
     scales = list(lr_scales) if lr_scales is not None else [1.0] * stages
     adaptive = candidate.adaptive if candidate is not None and mode == "lookahead" else None
     if adaptive is not None:
@@ -399,7 +401,8 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     parts = [torch.nn.Sequential(*list(model)[lo:hi]) for lo, hi in stage_slices(model, stages)]
     rule = "aligned" if mode == "sync" else step_phase
     pipe = _Pipeline([_Stage(part, stages, s, windows[s], micro_batches, optimizer, lr * scales[s], betas, weight_decay, restore,
-                             scheduler, phase_of(rule, s, windows[s]), candidate) for s, part in enumerate(parts)],
+                             scheduler, phase_of(rule, s, windows[s]), candidate, slack)
+                      for s, part in enumerate(parts)],
                      micro_batches, mode, train_iter, device, autocast)
 
     def evaluate():

@@ -25,7 +25,8 @@ def stock_programs(stages, micro_batches, batches=1):
     return programs
 
 
-def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, phase="aligned", nonblocking=False):
+def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, phase="aligned", nonblocking=False,
+                  slack=()):
     """PACI streams per stage: ``calls`` times ``advance(2*M)`` (one ``train_batch`` each), then ``drain()``.
 
     ``phase``: the engine's ``paci.step_phase`` (``"aligned"`` or ``"diagonal"``, :mod:`ds_paci.core.program.stream`).
@@ -37,7 +38,7 @@ def paci_programs(stages, micro_batches, window, calls, drain=True, tied=None, p
     :class:`~ds_paci.tools.sim.tied.TiedExchange`): the program in actions with the tied exchange placed on it
     (:func:`~ds_paci.tools.sim.tied.add_tied_exchange`); without, the streams' ticks as they are.
     """
-    streams = [PACIStream(stages, s, window, micro_batches, step_phase(phase, s, window)) for s in range(stages)]
+    streams = [PACIStream(stages, s, window, micro_batches, step_phase(phase, s, window), slack) for s in range(stages)]
     programs = [[] for _ in range(stages)]
     lower = (lambda ticks: lower_call(ticks, nonblocking=True)) if nonblocking else list
     for _ in range(calls):
@@ -68,20 +69,21 @@ def simulate_schedule(schedule, stages, micro_batches, window=None, calls=1, cos
     return result, f"simulated {label}, P={stages}, M={micro_batches}, {calls} calls"
 
 
-def simulate_paci(stages, micro_batches, window=None, calls=1, cost=None, phase="aligned", transfers="blocking"):
+def simulate_paci(stages, micro_batches, window=None, calls=1, cost=None, phase="aligned", transfers="blocking",
+                  slack=()):
     """:func:`simulate` of :func:`paci_programs` (``window`` defaults to ``micro_batches``), steady state measured.
 
     ``transfers="nonblocking"``: the program the engine runs with non-blocking transfers (sends hoisted), timed
     with them (:mod:`ds_paci.tools.sim.nonblocking`)."""
     window = window or micro_batches
     nonblocking = transfers == "nonblocking"
-    programs = paci_programs(stages, micro_batches, window, calls, phase=phase, nonblocking=nonblocking)
+    programs = paci_programs(stages, micro_batches, window, calls, phase=phase, nonblocking=nonblocking, slack=slack)
     # the hoisting pass keeps every tick in place, so the drain still starts at this tick
     return simulate(programs, cost, drain_tick=2 * micro_batches * calls, transfers=transfers)
 
 
 def long_run_period(schedule, stages, micro_batches, window=None, calls=4, cost=None, phase="aligned",
-                    transfers="blocking"):
+                    transfers="blocking", slack=()):
     """Long-run time per micro-batch: ``(makespan(2N) - makespan(N)) / (N*M)`` with ``N = calls``.
 
     The difference of two run lengths cancels the one-off fill and drain, so this is
@@ -91,7 +93,7 @@ def long_run_period(schedule, stages, micro_batches, window=None, calls=4, cost=
 
     def makespan(n):
         if schedule == "paci":
-            result = simulate_paci(stages, micro_batches, window, n, cost, phase, transfers)
+            result = simulate_paci(stages, micro_batches, window, n, cost, phase, transfers, slack)
         elif schedule == "stock":
             result = simulate_stock(stages, micro_batches, n, cost)
         else:

@@ -121,8 +121,11 @@ def weight_digests(module):
 def ran_settings(engine):
     """What a PACI ``engine`` runs, in :func:`engine_settings`' keys (its step phase, window, whether the reduce is
     overlapped and the transfers non-blocking: the engine's own decisions, which the config only asks for)."""
-    return {"schedule": "paci", "phase": engine.paci_stats()["step_phase"], "window": engine.accumulation_window,
-            "overlap": engine._overlap is not None, "nonblocking": engine._transfers is not None}
+    out = {"schedule": "paci", "phase": engine.paci_stats()["step_phase"], "window": engine.accumulation_window,
+           "overlap": engine._overlap is not None, "nonblocking": engine._transfers is not None}
+    if engine._stream.slack:
+        out["slack"] = list(engine._stream.slack)
+    return out
 
 
 def engine_settings(overlay, gas, dp, stages=2):
@@ -130,7 +133,8 @@ def engine_settings(overlay, gas, dp, stages=2):
     stages x ``dp`` replicas at ``M = gas``, as the simulator needs it: ``{"schedule": "stock"}``, or ``"paci"``
     with its ``phase`` (``paci.step_phase`` as :meth:`~ds_paci.core.config.PACIConfig.phase_rule` resolves it),
     ``window``, ``overlap`` (the data-parallel reduce under the window's last backward: ``overlap_reduce`` in async
-    mode with replicas, fp32 without ZeRO) and ``nonblocking`` (``nonblocking_transfers`` in async mode). An
+    mode with replicas, fp32 without ZeRO), ``nonblocking`` (``nonblocking_transfers`` in async mode) and, where
+    the config lists any, ``slack`` (``slack_links``, async mode). An
     optional ``"sim"`` object overrides ``overlap`` and ``window``. Pure; the study checks it against what each
     engine reports it ran (:func:`ran_settings`)."""
     from ds_paci.core.config import parse_paci_section
@@ -145,6 +149,8 @@ def engine_settings(overlay, gas, dp, stages=2):
     out = {"schedule": "paci", "phase": paci.phase_rule(stock_step), "window": window,
            "overlap": paci.overlap_reduce and not stock_step and dp > 1 and not wrapped,
            "nonblocking": paci.nonblocking_transfers and not stock_step}
+    if paci.slack_links and not sync:
+        out["slack"] = list(paci.slack_links)  # "slack_links" (refused in sync mode); absent when none
     sim = overlay.get("sim", {})
     out.update({k: sim[k] for k in ("overlap", "window") if k in sim})
     return out
@@ -282,7 +288,8 @@ def predict(report, variants, gas, dp):
             predicted = long_run_period("stock", 2, gas, cost=cost)
         else:
             predicted = long_run_period("paci", 2, gas, window=how["window"], cost=cost, phase=how["phase"],
-                                        transfers="nonblocking" if how["nonblocking"] else "blocking")
+                                        transfers="nonblocking" if how["nonblocking"] else "blocking",
+                                        slack=tuple(how.get("slack", ())))
         for run in report["runs"]:
             ran = run.get("ran") if run["variant"] == name else None
             if ran and any(ran[k] != how.get(k) for k in ran if k not in overlay.get("sim", {})):

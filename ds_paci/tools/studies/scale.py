@@ -22,7 +22,9 @@ Public contract:
 * :data:`VARIANTS`: PACI as configured today (``"PACI"``: aligned steps, blocking transfers), and with the
   ``"diagonal"`` step phase (:mod:`ds_paci.core.program.stream`), the all-reduce overlapped with the window's last
   backward (``+overlap``, only where there is data parallelism) and the engine's non-blocking program (``+nb``:
-  ``paci_programs(..., nonblocking=True)`` timed with ``transfers="nonblocking"``, :mod:`ds_paci.tools.sim.nonblocking`).
+  ``paci_programs(..., nonblocking=True)`` timed with ``transfers="nonblocking"``, :mod:`ds_paci.tools.sim.nonblocking`),
+  and all three with ``+slack``: ``"slack_links"`` on the links between nodes (:func:`node_links`; one more
+  micro-batch in flight upstream of each, :mod:`ds_paci.core.program.stream`).
 * :func:`rows` / :func:`markdown`: time per micro-batch, throughput relative to 1F1B-flush, and the share of
   time spent computing, per (P, M, link scenario); with ``--variants`` beyond ``PACI``, :func:`variants_markdown`:
   every variant's time and its ratio to ZB-V.
@@ -155,14 +157,25 @@ def zbv_period(ranks, micro_batches, chunk, links=None, steps=2, step=0.0):
 
 
 # -- the table ------------------------------------------------------------------------------------------
-# PACI variants: label -> (paci.step_phase, all-reduce overlapped with the window's last backward, transfers)
+# PACI variants: label -> (paci.step_phase, all-reduce overlapped with the window's last backward, transfers,
+# slack on the links between nodes: "paci.slack_links" = node_links(...))
 VARIANTS = {
-    "PACI": ("aligned", False, "blocking"),
-    "diagonal": ("diagonal", False, "blocking"),
-    "diagonal+overlap": ("diagonal", True, "blocking"),
-    "diagonal+nb": ("diagonal", False, "nonblocking"),
-    "diagonal+overlap+nb": ("diagonal", True, "nonblocking"),
+    "PACI": ("aligned", False, "blocking", False),
+    "diagonal": ("diagonal", False, "blocking", False),
+    "diagonal+overlap": ("diagonal", True, "blocking", False),
+    "diagonal+nb": ("diagonal", False, "nonblocking", False),
+    "diagonal+overlap+nb": ("diagonal", True, "nonblocking", False),
+    "diagonal+nb+slack": ("diagonal", False, "nonblocking", True),
+    "diagonal+overlap+nb+slack": ("diagonal", True, "nonblocking", True),
 }
+
+
+def node_links(stages, links):
+    """The links ``b`` (stage ``b`` to ``b+1``) that join two nodes under ``links`` (none without a link model):
+    what a user lists in ``"paci": {"slack_links": [...]}``."""
+    if links is None:
+        return ()
+    return tuple(b for b in range(stages - 1) if links.node_of(b) != links.node_of(b + 1))
 
 
 def rows(stages, micro_batch_factors=(1, 4), scenarios=tuple(SCENARIOS), shape=BlockShape(), flops_per_s=100e12,
@@ -180,12 +193,13 @@ def rows(stages, micro_batch_factors=(1, 4), scenarios=tuple(SCENARIOS), shape=B
                 per = blocks_per_stage / 2  # ZB-V: two chunks per rank, each half a stage
                 periods = {"1F1B-flush": long_run_period("stock", P, M, cost=cost, calls=calls)}
                 for label in variants:
-                    phase, overlap, transfers = VARIANTS[label]
+                    phase, overlap, transfers, slack = VARIANTS[label]
                     if overlap and (links is None or links.dp == 1 or links.overlap):
                         continue
                     c = replace(cost, links=replace(links, overlap=True)) if overlap else cost
                     periods[label] = long_run_period("paci", P, M, M, calls=calls, cost=c, phase=phase,
-                                                     transfers=transfers)
+                                                     transfers=transfers,
+                                                     slack=node_links(P, links) if slack else ())
                 periods["ZB-V"] = zbv_period(P, M, (per * f, per * f, per * f), links)
                 compute = 3 * blocks_per_stage * f
                 out.append({"P": P, "M": M, "scenario": name, "period_s": periods,
