@@ -27,8 +27,9 @@ def loss_ages(values, last_values):
 
 
 # -- the side channel alone --------------------------------------------------------------------
-def channel_exchange(rank, world, calls):
-    """The last rank publishes ``calls`` messages; the others poll without waiting, then wait for the last one."""
+def channel_exchange(rank, world, calls, late=0.0):
+    """The last rank publishes ``calls`` messages; the others poll without waiting, then wait for the last one.
+    ``late``: rank 1 takes the first 36 messages, then sleeps that long (a receiver that falls behind under load)."""
     from ds_paci.core.engine.loss_channel import KEEP_SENDS, LossChannel, pipeline_groups
 
     class Grid:
@@ -49,6 +50,9 @@ def channel_exchange(rank, world, calls):
                 seen.append((msg.seq, msg.value, msg.origin_call, msg.extras))
     out = {"polled": polled, "seen": seen, "keep": KEEP_SENDS}
     if rank != last:
+        if rank == 1 and late:
+            channel.wait_for(36)
+            time.sleep(late)
         t0 = time.monotonic()
         final = channel.wait_for(calls)
         out["final"] = (final.seq, final.value, final.origin_call, final.extras)
