@@ -220,3 +220,16 @@ def test_larger_p8_rows_run_todays_auto_and_a_run_in_progress_shows_its_curve_so
                                          str(tmp_path)))
     assert "| P=8 M=4 paci+lookahead auto | - | partial: 2.2000 at step 100 | +10.00% (at step 100) |" in table
     assert "| P=8 M=4 stock | 4 | 2.0000 | - | 1000 |" in table
+
+
+def test_larger_time_to_stocks_final_counts_a_warm_starts_calls_with_the_bubble(tmp_path):
+    from ds_paci.tools.studies.quality import larger
+    run = next(r for r in larger.RUNS if r.sync_calls)
+    assert (run.stages, run.micro_batches, run.mode) == (4, 4, "lookahead")
+    rows = [{"name": "stock", "windows": [4] * 4, "curve": [[0, 5.0], [1000, 2.0]], "seconds": 1.0},
+            {"name": run.name, "windows": [3] * 4, "curve": [[0, 5.0], [500, 2.5], [600, 2.0], [1000, 1.9]], "seconds": 1.0,
+             "sync_calls": run.sync_calls}]
+    (tmp_path / "larger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = "\n".join(larger.shape_table(larger.load_rows(str(tmp_path / "larger.jsonl"), key="name"), 4, 4))
+    slots = run.sync_calls * 7 + (600 - run.sync_calls) * 4  # the warm start's calls cost M + P - 1 = 7 slots
+    assert f"| {run.name} | 3 | 1.9000 | -5.00% | 600 | {slots} micro-batch slots | {1000 * 7 / slots:.2f}x |" in table

@@ -4,7 +4,8 @@ Per depth one world runs a few engines one after the other (``ds_paci.tools.repl
 without the look-ahead, ``a = M`` and ``a != M`` (drift 2 where ``a < P-1``, partial windows stepped at
 the drains before each validation), the ``"diagonal"`` step phase (partial first windows, forwards that predict
 from them), slack links (``"slack_links"``: more micro-batches in flight upstream of a link, gradients sent
-later), and DeepSpeed's stock engine at P = 2. The replay of each spec must
+later), a synchronous warm start (``"sync_warmup_calls"``: stock's schedule, then the streams, aligned or diagonal),
+and DeepSpeed's stock engine at P = 2. The replay of each spec must
 give the same per-call losses (the engine's return value on the last stage), the same validation losses
 and the same final weights, every bit: the sweep in ``docs/results/quality.md`` runs on the replay.
 """
@@ -21,7 +22,9 @@ CASES = {
     4: [CheckSpec(4, 2, "paci"), CheckSpec(4, 2, "lookahead", window="auto"),
         CheckSpec(4, 4, "lookahead", window=3, step_phase="diagonal"),
         CheckSpec(4, 4, "lookahead", window=3, step_phase="diagonal", slack_links=(1, )),
-        CheckSpec(4, 2, "lookahead", window="auto", slack_links=(0, 2))],
+        CheckSpec(4, 2, "lookahead", window="auto", slack_links=(0, 2)),
+        CheckSpec(4, 2, "lookahead", window="auto", sync_calls=3),
+        CheckSpec(4, 2, "lookahead", window="auto", step_phase="diagonal", sync_calls=2)],
     8: [CheckSpec(8, 4, "lookahead", window=4, steps=5, eval_every=2),
         CheckSpec(8, 4, "paci", window="auto", steps=5, eval_every=2),
         CheckSpec(8, 4, "lookahead", window=4, steps=5, eval_every=2, step_phase="diagonal")],
@@ -36,7 +39,7 @@ def test_the_replay_reproduces_the_engine_bit_for_bit(stages, tmp_path):
         replayed = replay_run(spec)
         gap = compare(engine, replayed)
         where = (f"P={spec.stages} M={spec.micro_batches} {spec.mode} window={spec.window} {spec.step_phase} "
-                 f"slack={spec.slack_links}")
+                 f"slack={spec.slack_links} sync_calls={spec.sync_calls}")
         assert gap["windows"]["engine"] == gap["windows"]["replay"], where
         assert len(engine["call_losses"]) == spec.steps and engine["call_losses"][-1] is not None, where
         assert gap["call_losses_identical"], f"{where}: per-call losses differ by {gap['call_loss_gap']}"

@@ -14,7 +14,8 @@ Example (JSON)::
         "check_tied_copies": false,
         "overlap_reduce": true,
         "nonblocking_transfers": false,
-        "slack_links": []
+        "slack_links": [],
+        "sync_warmup_calls": 0
     }
 
 Keys (every one optional):
@@ -104,6 +105,12 @@ Keys (every one optional):
     ``"auto"`` widens its window to ``P-1+k_0`` to keep it at 1. Blocking transfers gain nothing from it (both
     ends wait for a transfer either way). Async mode only, and not with tied layers on several stages (both
     refused at start-up, one line each).
+``sync_warmup_calls`` (int >= 0, default 0)
+    A synchronous warm start: the first ``K`` ``train_batch`` calls (``global_steps < K``) run on the stock engine's
+    schedule (window ``M``, a drain at the end of each call, so nothing is predicted and each costs stock's bubble),
+    then the configured streams start (:mod:`ds_paci.core.engine.warm_start`). Measured in the replay at M < P and
+    stock's best learning rate, where PACI from the first step often sat on a loss plateau
+    (``docs/results/quality-candidates.md``). Async mode only: sync mode is synchronous throughout (refused).
 
 Everything that cannot be honoured fails in :func:`validate_run` with a message that
 names the key, the value and what is allowed. ``ds_paci.initialize`` and
@@ -149,6 +156,7 @@ class PACIConfig:
     nonblocking_transfers: bool = False
     step_phase: Optional[str] = None  # None: DEFAULT_STEP_PHASE in async mode, "aligned" in sync mode
     slack_links: tuple = ()  # links b (stage b -> b+1) with one micro-batch of slack, sorted
+    sync_warmup_calls: int = 0  # the first calls on stock's schedule (engine.warm_start)
 
     def phase_rule(self, stock_step, tied=False):
         """The step phase a run uses: ``"aligned"`` in sync mode (``stock_step``) and where tied layers span stages
@@ -159,7 +167,8 @@ class PACIConfig:
         """The accumulation window ``a`` of stage ``stage`` for ``M = gradient_accumulation_steps`` on ``stages``
         stages (``stage=None``: one window for every stage, see :func:`auto_window`)."""
         if self.accumulation_window == AUTO:
-            return auto_window(stages, gradient_accumulation_steps, stage, extra=len(self.slack_links))
+            return auto_window(stages, gradient_accumulation_steps, stage, extra=len(self.slack_links),
+                               per_stage=self.sync_warmup_calls > 0)
         return self.accumulation_window or gradient_accumulation_steps
 
 
@@ -170,9 +179,13 @@ STEP_PHASES = ("aligned", "diagonal")  # ds_paci.core.program.stream.STEP_PHASES
 DEFAULT_STEP_PHASE = "aligned"
 
 
-def auto_window(stages, micro_batches, stage=None, extra=0):
+def auto_window(stages, micro_batches, stage=None, extra=0, per_stage=False):
     """``"accumulation_window": "auto"``: ``a = max(P-1, ceil(M/3))`` on every stage (``stage`` is accepted for the
-    callers that ask per stage; since issue 30 the answer does not depend on it). One stage: ``M``. ``extra``: the
+    callers that ask per stage; since issue 30 the answer does not depend on it, unless ``per_stage``). One stage:
+    ``M``. ``per_stage`` (a run with ``sync_warmup_calls``) and a ``stage``: ``a_s = max(min(M, P-1), P-1-s,
+    ceil(M/3))``, the per-stage rule below, which differs only where ``M < P-1``: after a synchronous warm start it
+    no longer sat on plateaus and, with late stages stepping every ``M``, kept stock's steps per sample at the lower
+    learning rate (``docs/results/quality-candidates.md``, fourth round). ``extra``: the
     slack links (``"slack_links"``), which add as many micro-batches in flight at stage 0: ``P-1`` becomes
     ``P-1+extra`` so that the drift bound stays 1.
 
@@ -190,6 +203,8 @@ def auto_window(stages, micro_batches, stage=None, extra=0):
     """
     if stages <= 1:
         return max(micro_batches, 1)
+    if per_stage and stage is not None:
+        return max(min(micro_batches, stages - 1 + extra), stages - 1 - stage + extra, -(-micro_batches // 3), 1)
     return max(stages - 1 + extra, -(-micro_batches // 3), 1)
 
 
@@ -209,6 +224,7 @@ _KEYS = {
     "overlap_bucket_elements": "an integer >= 1",
     "nonblocking_transfers": "true or false",
     "slack_links": "a list of link ids b >= 0 (link b joins stage b to stage b+1), e.g. [7]",
+    "sync_warmup_calls": "an integer >= 0 (train_batch calls run on the stock schedule before PACI's streams)",
 }
 
 
@@ -279,11 +295,12 @@ def parse_paci_section(section):
         if not isinstance(links, list) or not all(_is_int(b) and b >= 0 for b in links):
             raise bad("slack_links", links)
         kw["slack_links"] = tuple(sorted(set(links)))
-    if "overlap_bucket_elements" in section:
-        n = section["overlap_bucket_elements"]
-        if not _is_int(n) or n < 1:
-            raise bad("overlap_bucket_elements", n)
-        kw["overlap_bucket_elements"] = n
+    for key, low in (("overlap_bucket_elements", 1), ("sync_warmup_calls", 0)):
+        if key in section:
+            n = section[key]
+            if not _is_int(n) or n < low:
+                raise bad(key, n)
+            kw[key] = n
     return PACIConfig(**kw)
 
 
@@ -375,12 +392,17 @@ def check_accumulation_window(window, gradient_accumulation_steps):
 
 
 def check_step_phase(paci, gradient_accumulation_steps):
-    """Refuse ``"step_phase": "diagonal"`` in sync mode (``drain_every_batch`` with the window ``M``: the stock
-    engine's step at the end of every call, which has no phase). Pure."""
+    """Refuse ``"step_phase": "diagonal"`` (and ``sync_warmup_calls``) in sync mode (``drain_every_batch`` with the
+    window ``M``: the stock engine's step at the end of every call, which has no phase and needs no warm start). Pure."""
+    window = paci.accumulation_window
+    stock = paci.drain_every_batch and (window is None or window == gradient_accumulation_steps)
+    if stock and paci.sync_warmup_calls:  # ("auto" resolves later; stock then ignores the key, said at start-up)
+        raise PACIConfigError(f'"paci.sync_warmup_calls" = {paci.sync_warmup_calls} has no effect in sync mode '
+                              '("drain_every_batch": true with the window M runs the stock schedule throughout); '
+                              'remove "sync_warmup_calls" or "drain_every_batch"')
     if paci.step_phase != "diagonal" or not paci.drain_every_batch:
         return
-    window = paci.accumulation_window
-    if window is None or window == gradient_accumulation_steps:  # ("auto" resolves later; stock then aligns)
+    if stock:
         raise PACIConfigError('"paci.step_phase" = "diagonal" is not allowed with "drain_every_batch": true and the '
                               'window M (sync mode is the stock engine: every stage steps at the end of the call); '
                               'remove "step_phase" or "drain_every_batch"')

@@ -106,6 +106,7 @@ from .stage_context import StageContext
 from .stage_stats import stage_stats
 from .startup import announce, say, watch_open_window
 from .telemetry import StageTelemetry
+from . import warm_start
 from ..tied.weights import TiedWeights
 from ..tied.layout import tied_owner_stages
 from ..health.watchdog import Watchdog
@@ -244,9 +245,10 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         self.module.train()
         self._begin_losses()
         self.timers(TRAIN_BATCH_TIMER).start()
+        sync = warm_start.follow(self) or self._stock_step  # the first paci.sync_warmup_calls: stock's schedule
         ticks = self._stream.advance(2 * self.micro_batches)
-        if self.paci.drain_every_batch:  # a = M: nothing is left open anyway
-            self._run_call(ticks, self._stream.drain(self._stock_step), carry=not self._stock_step)
+        if self.paci.drain_every_batch or sync:  # a = M: nothing is left open anyway
+            self._run_call(ticks, self._stream.drain(sync), carry=not sync)
         else:
             self._run_call(ticks)
         if not self._stock_step:  # one step per call, as the stock engine counts (sync mode: DeepSpeed's step did)

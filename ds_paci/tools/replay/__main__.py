@@ -1,6 +1,6 @@
-"""``python -m ds_paci.tools.replay``: the replay's command line (see :mod:`.replayer`)."""
+"""``python -m ds_paci.tools.replay``: the replay's command line (see :mod:`.cli`)."""
 import sys
 
-from .replayer import main
+from .cli import main
 
 sys.exit(main())

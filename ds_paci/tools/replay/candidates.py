@@ -47,6 +47,8 @@ class Candidate:
     lr_slowest: bool = False  # lr_s = lr * a_s / max(a): every stage at the slowest stage's rate per sample
     window: object = "auto"  # the replay's window (see stage_windows); "uniform-max": max of auto's, every stage
     adaptive: object = None  # an AdaptiveWindows, or None
+    sync_fraction: float = 0.0  # the first fraction of the calls run synchronously (stock's schedule), then PACI
+    sync_calls: int = 0  # or the first ``sync_calls`` calls (the larger of the two)
 
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
@@ -75,6 +77,16 @@ def lr_to_slowest(windows) -> list:
     ``max(a)`` does, but keeps each stage's window."""
     top = max(windows)
     return [a / top for a in windows]
+
+
+def candidate_lr_factors(candidate, windows, micro_batches) -> list:
+    """Per-stage factors on the learning rate a candidate asks for (``lr_power``, ``lr_slowest``; else 1)."""
+    factors = [1.0] * len(windows)
+    if candidate.lr_power:
+        factors = [x * f for x, f in zip(factors, lr_compensation(windows, micro_batches, candidate.lr_power))]
+    if candidate.lr_slowest:
+        factors = [x * f for x, f in zip(factors, lr_to_slowest(windows))]
+    return factors
 
 
 def _bias_corrected_first_moment(state, beta1):

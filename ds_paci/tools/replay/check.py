@@ -31,7 +31,8 @@ ENGINE_MODES = ("stock", "paci", "lookahead")
 class CheckSpec:
     """One run: ``mode`` ``stock`` (DeepSpeed's engine; the replay's ``sync``), ``paci`` or ``lookahead``.
 
-    ``window``: an int, ``"auto"`` or ``None`` (M); ``step_phase``: ``paci.step_phase`` of the PACI modes. Validation at step 0, every ``eval_every`` steps
+    ``window``: an int, ``"auto"`` or ``None`` (M); ``step_phase``: ``paci.step_phase`` of the PACI modes;
+    ``sync_calls``: ``paci.sync_warmup_calls``. Validation at step 0, every ``eval_every`` steps
     (0: only at the end) and at the end, each after a drain (the engine's ``eval_batch``).
     """
 
@@ -52,6 +53,7 @@ class CheckSpec:
     data_seed: int = 7
     step_phase: str = "aligned"
     slack_links: tuple = ()
+    sync_calls: int = 0  # paci.sync_warmup_calls (the replay's sync_calls)
 
     def config(self):
         """The DeepSpeed config of the engine run (the benchmark's, :func:`ds_paci.tools.bench.runner.ds_config`)."""
@@ -66,6 +68,8 @@ class CheckSpec:
             config["paci"]["step_phase"] = self.step_phase
             if self.slack_links:
                 config["paci"]["slack_links"] = list(self.slack_links)
+            if self.sync_calls:
+                config["paci"]["sync_warmup_calls"] = self.sync_calls
         return config
 
     def model_config(self):
@@ -174,7 +178,7 @@ def replay_run(spec: CheckSpec) -> dict:
     result = replay(model, spec.stages, spec.micro_batches, train_iter, val, spec.steps, mode=mode,
                     window=spec.window, lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0,
                     evaluation=Evaluation(every=spec.eval_every), step_phase=spec.step_phase,
-                    slack_links=spec.slack_links)
+                    slack_links=spec.slack_links, sync_calls=spec.sync_calls)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"call_losses": result.call_losses, "curve": result.curve, "weights": weights, "windows": result.windows}
 

@@ -1,6 +1,6 @@
 """Single-process replay of PACI streams on the GPT-2 workload: the engine's semantics in one process.
 
-``python -m ds_paci.tools.replay.replayer --job main --mode lookahead --lr 1.5e-3`` runs every stage's
+``python -m ds_paci.tools.replay --job main --mode lookahead --lr 1.5e-3`` runs every stage's
 :class:`~ds_paci.core.program.stream.PACIStream` tick by tick in one process, with the engine's
 semantics: a forward uses the stage's weights current at that moment (with ``--mode
 lookahead``, the look-ahead's prediction for forwards the stream tags ``crosses_step``, through
@@ -42,10 +42,7 @@ arguments, the validation curve and each stage's look-ahead telemetry.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -57,9 +54,9 @@ from ds_paci.core.step.local_step import ParamAliases
 from ds_paci.core.lookahead.predict import lookahead_for_torch_optimizer
 from ds_paci.core.program.actions import Kind
 from ds_paci.core.program.interpreter import Handler, run_program
-from ds_paci.core.program.stream import STEP_PHASES, PACIStream
+from ds_paci.core.program.stream import PACIStream
 from ds_paci.core.program.stream import step_phase as phase_of
-from ds_paci.workload.gpt2 import Block, gpt2_config, gpt2_reference_model, lm_loss
+from ds_paci.workload.gpt2 import Block, lm_loss
 
 MODES = ("sync", "paci", "lookahead")
 OPTIMIZERS = ("adamw", "muon")
@@ -130,13 +127,14 @@ def stage_slices(model: torch.nn.Sequential, stages: int) -> list:
     return [(starts[s], starts[s + 1]) for s in range(stages)]
 
 
-def stage_windows(window, stages: int, micro_batches: int, extra: int = 0) -> list:
+def stage_windows(window, stages: int, micro_batches: int, extra: int = 0, per_stage: bool = False) -> list:
     """Each stage's window: ``None`` (M), an int, ``"auto"`` (:func:`~ds_paci.core.config.auto_window`; ``extra``:
-    the slack links it widens for) or a sequence of ``stages`` ints."""
+    the slack links it widens for; ``per_stage``: a run with a synchronous warm start) or a sequence of ``stages``
+    ints."""
     if window is None:
         return [micro_batches] * stages
-    if window == "auto":  # one window on every stage since issue 30, as the engine
-        return [auto_window(stages, micro_batches, s, extra) for s in range(stages)]
+    if window == "auto":  # one window on every stage since issue 30, as the engine (per stage after a warm start)
+        return [auto_window(stages, micro_batches, s, extra, per_stage) for s in range(stages)]
     if isinstance(window, int):
         return [window] * stages
     windows = [int(a) for a in window]
@@ -361,15 +359,43 @@ def validation_loss(model, val_batches, micro_batches, device=None, autocast=Non
     return sum(calls) / len(calls)
 
 
+def _adapt_windows(pipe, adaptive, low, high) -> list:
+    """The adaptive candidate's move at a drain: each stage between ``low`` and ``high`` from its prediction error."""
+    pipe.drain(close_window=True)  # a window can change only when closed (PACIStream.set_micro_batches)
+    pipe.call_loss()
+    errors = [st.lookaheads[0].recent_error() if st.lookaheads[0] is not None else None for st in pipe.stages]
+    windows = adaptive.windows(low, high, errors)
+    for st, a in zip(pipe.stages, windows):
+        st.stream.set_micro_batches(pipe.micro_batches, window=a)
+        st.window = a
+    return windows
+
+
+def _set_schedule(pipe, schedule, lr, scales):
+    """Put every stage of a drained ``pipe`` on sync mode's schedule (``schedule=None``: window ``M``, aligned, no slack,
+    no prediction) or on ``(mode, windows, step phase rule, slack links)``; learning rates ``lr * scales[s]``."""
+    stages, micro_batches = len(pipe.stages), pipe.micro_batches
+    mode, windows, rule, slack = schedule or ("sync", [micro_batches] * stages, "aligned", ())
+    pipe.mode = mode
+    for s, st in enumerate(pipe.stages):
+        st.window = windows[s]
+        st.stream = PACIStream(stages, s, windows[s], micro_batches, phase_of(rule, s, windows[s]), slack)
+        for opt in st.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr * scales[s]
+
+
 def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="lookahead", window=None, lr=1e-3,
            betas=(0.9, 0.95), weight_decay=0.0, schedule="constant", warmup=20, cos_min_ratio=0.1, eval_every=100,
            restore=None, echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
-           autocast=None, step_phase="aligned", candidate=None, slack_links=()) -> ReplayResult:
+           autocast=None, step_phase="aligned", candidate=None, slack_links=(), sync_calls=0) -> ReplayResult:
     """Train ``model`` (an ``nn.Sequential`` of GPT-2 layers) on PACI streams; returns a :class:`ReplayResult`.
 
     ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`. ``step_phase``: the
     engine's ``paci.step_phase`` (``"aligned"`` or ``"diagonal"``; sync mode is always aligned); ``slack_links``:
-    the engine's ``paci.slack_links`` (sync mode has none).
+    the engine's ``paci.slack_links`` (sync mode has none). ``sync_calls``: the first ``sync_calls`` calls run
+    as sync mode does (stock's schedule, a flush every call, no prediction, every stage at ``lr``), then
+    ``mode`` takes over from an empty pipeline (a synchronous warm start; 0: none).
     ``evaluation``: an :class:`Evaluation` (default: every ``eval_every`` steps, draining first, as the
     engine). ``lr_scales``: per-stage factors on ``lr`` (default 1). ``optimizer``: ``adamw`` or ``muon``.
     ``restore``: the look-ahead's restore mode (default: the engine's, ``PACIConfig.lookahead_restore``).
@@ -385,18 +411,15 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     restore = restore or PACIConfig().lookahead_restore  # the engine's default
     evaluation = evaluation or Evaluation(every=eval_every)
     slack = () if mode == "sync" else tuple(slack_links)
-    windows = stage_windows(window, stages, micro_batches, len(set(slack)))
+    windows = stage_windows(window, stages, micro_batches, len(set(slack)), per_stage=sync_calls > 0)
     scales = list(lr_scales) if lr_scales is not None else [1.0] * stages
     adaptive = candidate.adaptive if candidate is not None and mode == "lookahead" else None
     if adaptive is not None:
         low, high = windows, [max(windows)] * stages
         windows = list(low if adaptive.start == "low" else high)
-    if candidate is not None and candidate.lr_power and mode != "sync":
-        from .candidates import lr_compensation
-        scales = [x * f for x, f in zip(scales, lr_compensation(windows, micro_batches, candidate.lr_power))]
-    if candidate is not None and candidate.lr_slowest and mode != "sync":
-        from .candidates import lr_to_slowest
-        scales = [x * f for x, f in zip(scales, lr_to_slowest(windows))]
+    if candidate is not None and mode != "sync":
+        from .candidates import candidate_lr_factors
+        scales = [x * f for x, f in zip(scales, candidate_lr_factors(candidate, windows, micro_batches))]
     scheduler = _scheduler_factory(schedule, steps, warmup, cos_min_ratio)
     parts = [torch.nn.Sequential(*list(model)[lo:hi]) for lo, hi in stage_slices(model, stages)]
     rule = "aligned" if mode == "sync" else step_phase
@@ -408,24 +431,24 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     def evaluate():
         return validation_loss(model, val_batches, micro_batches, device, autocast)
 
+    if sync_calls and mode != "sync":
+        if scheduler is not None:
+            raise ValueError("sync_calls with a learning-rate schedule is not supported by the replay")
+        _set_schedule(pipe, None, lr, [1.0] * stages)
+
     curve, call_losses = [(0, evaluate())], []
     began = time.time()
     for step in range(1, steps + 1):
+        if sync_calls and mode != "sync" and step == sync_calls + 1:
+            _set_schedule(pipe, (mode, windows, rule, slack), lr, scales)
         pipe.advance()
-        if mode == "sync":  # drain_every_batch: inside the call
+        if pipe.mode == "sync":  # drain_every_batch: inside the call
             pipe.drain(close_window=True)  # a = M: nothing is left open anyway
         call_losses.append(pipe.call_loss())
         if adaptive is not None and step % adaptive.every == 0 and step < steps:
-            pipe.drain(close_window=True)  # a window can change only when closed (PACIStream.set_micro_batches)
-            pipe.call_loss()
-            errors = [st.lookaheads[0].recent_error() if st.lookaheads[0] is not None else None
-                      for st in pipe.stages]
-            windows = adaptive.windows(low, high, errors)
-            for st, a in zip(pipe.stages, windows):
-                st.stream.set_micro_batches(micro_batches, window=a)
-                st.window = a
+            windows = _adapt_windows(pipe, adaptive, low, high)
         validate = (evaluation.every and step % evaluation.every == 0) or step == steps
-        if mode != "sync" and (step == steps or step in evaluation.drain_at or (validate and evaluation.drains)):
+        if pipe.mode != "sync" and (step == steps or step in evaluation.drain_at or (validate and evaluation.drains)):
             # the engine's drain(): a call of its own, whose loss is not a train_batch's; as eval_batch it
             # leaves a partial window open, the end of training and drain_at close it (Evaluation)
             pipe.drain(close_window=step == steps or step in evaluation.drain_at)
@@ -446,50 +469,3 @@ def load_tokens(tokenizer_name: str, main_split: bool):
     train_docs, val_docs = split_documents(docs) if main_split else split_documents(docs, val_fraction=0.1, seed=0)
     tokenizer = get_tokenizer(tokenizer_name, train_docs=train_docs)
     return encode_documents(train_docs, tokenizer).long(), encode_documents(val_docs, tokenizer).long(), tokenizer
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ds_paci.tools.replay.replayer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--job", choices=sorted(JOBS), default="main")
-    p.add_argument("--mode", choices=MODES, default="lookahead")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--betas", default=None, help="b1,b2 (default: 0.9,0.95 for main, 0.9,0.999 for the benchmark jobs)")
-    p.add_argument("--weight-decay", type=float, default=None, help="default: 0.01 for main, 0 for the benchmark jobs")
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--window", help="accumulation window a: an int, 'auto', or one int per stage (a,b,...); default M")
-    p.add_argument("--eval-every", type=int, default=None, help="default: 100 for main, 25 for the benchmark jobs")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--data-seed", type=int, help="default: the seed for main, 7 for the benchmark jobs")
-    p.add_argument("--restore", choices=["recompute", "copy"], default=None, help="default: the engine's")
-    p.add_argument("--step-phase", choices=STEP_PHASES, default="aligned", help="the engine's paci.step_phase")
-    args = p.parse_args(argv)
-    from ds_paci.workload.data import MicroBatchIterator, eval_micro_batches
-    job = JOBS[args.job]
-    torch.set_num_threads(1)
-    train, val, tokenizer = load_tokens(job.tokenizer, job.main_split)
-    main_job = args.job == "main"
-    cfg = gpt2_config("tiny", vocab_size=tokenizer.vocab_size, n_positions=1024 if main_job else job.seq_len,
-                      n_embd=job.n_embd, n_layer=job.n_layer, n_head=job.n_head,
-                      **({"eos_token_id": tokenizer.eos_id} if main_job else {}))
-    model = gpt2_reference_model(cfg, seed=args.seed)
-    data_seed = args.data_seed if args.data_seed is not None else (args.seed if main_job else 7)
-    train_iter = MicroBatchIterator(train, job.micro_batch_size, job.seq_len, seed=data_seed)
-    val_batches = eval_micro_batches(val, job.micro_batch_size, job.seq_len, count=job.eval_batches * job.micro_batches)
-    betas = tuple(float(x) for x in args.betas.split(",")) if args.betas else ((0.9, 0.95) if main_job else (0.9, 0.999))
-    wd = args.weight_decay if args.weight_decay is not None else (0.01 if main_job else 0.0)
-    window = args.window
-    if window is not None and window != "auto":
-        window = [int(x) for x in window.split(",")] if "," in window else int(window)
-    result = replay(model, job.stages, job.micro_batches, train_iter, val_batches, args.steps, mode=args.mode,
-                    window=window, lr=args.lr, betas=betas, weight_decay=wd, schedule=job.schedule,
-                    warmup=args.warmup, eval_every=args.eval_every or (100 if main_job else 25),
-                    restore=args.restore, echo=lambda line: print(line, file=sys.stderr, flush=True),
-                    step_phase=args.step_phase)
-    print(json.dumps({"args": vars(args), "curve": result.curve, "final_val_loss": result.curve[-1][1],
-                      "local_steps": result.local_steps, "lookahead": result.lookahead}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -123,6 +123,20 @@ CANDIDATES = {
     "uniform-lr-sqrt": Candidate("uniform-lr-sqrt", window="uniform-max", lr_power=0.5),
     "uniform-lr-lin": Candidate("uniform-lr-lin", window="uniform-max", lr_power=1.0),
 }
+# A synchronous warm start: the first 5/10/20% of the calls on stock's schedule, then the look-ahead with the
+# per-stage windows (``sync*-auto``) or today's one window (``sync*-uniform``).
+for _pct in (5, 10, 20):
+    CANDIDATES[f"sync{_pct}-auto"] = Candidate(f"sync{_pct}-auto", sync_fraction=_pct / 100)
+    CANDIDATES[f"sync{_pct}-uniform"] = Candidate(f"sync{_pct}-uniform", window="uniform-max",
+                                                  sync_fraction=_pct / 100)
+for _n in (32, 48, 64):  # a fixed count of synchronous calls, whatever the run's length
+    CANDIDATES[f"sync{_n}c-auto"] = Candidate(f"sync{_n}c-auto", sync_calls=_n)
+    CANDIDATES[f"sync{_n}c-uniform"] = Candidate(f"sync{_n}c-uniform", window="uniform-max", sync_calls=_n)
+    CANDIDATES[f"sync{_pct}-lr-lin"] = Candidate(f"sync{_pct}-lr-lin", window="uniform-max", lr_power=1.0,
+                                                 sync_fraction=_pct / 100)
+for _n in (32, 48, 64):  # a fixed count of synchronous calls, whatever the run's length
+    CANDIDATES[f"sync{_n}c-auto"] = Candidate(f"sync{_n}c-auto", sync_calls=_n)
+    CANDIDATES[f"sync{_n}c-uniform"] = Candidate(f"sync{_n}c-uniform", window="uniform-max", sync_calls=_n)
 
 
 def per_stage_auto(stages: int, micro_batches: int) -> list:
@@ -153,7 +167,9 @@ def run_one(cell: Cell, name: str, steps: int) -> dict:
     result = replay(net, cell.stages, cell.micro_batches, train_iter, val_batches, steps, mode=mode, window=window,
                     lr=cell.lr, betas=(0.9, 0.999), weight_decay=0.0,
                     evaluation=Evaluation(every=cell.eval_every, drains=cell.drains), restore=cell.restore,
-                    candidate=candidate)
+                    candidate=candidate,
+                    sync_calls=0 if candidate is None else
+                    min(steps, max(candidate.sync_calls, round(candidate.sync_fraction * steps))))
     errors = [s.get("prediction_error") if isinstance(s, dict) else None for s in result.lookahead]
     return {"candidate": name, "cell": dict(cell.__dict__), "steps": steps, "curve": result.curve,
             "final": result.curve[-1][1], "local_steps": result.local_steps, "windows": result.windows,

@@ -3,8 +3,8 @@
 Stock (the replay's sync mode), then PACI + look-ahead with the engine's default window ``a = M`` and with
 ``"auto"``, trained 1.5x stock's :data:`STEPS` (one drain at every validation, as the engine's curve study),
 so that the time to stock's final loss is defined. Time = steps x seconds per batch of the ideal emulated
-pipeline (``(M + P - 1)`` micro-batch slots per batch for stock, ``M`` for PACI: the bubble is the only
-difference), since this model has no timed throughput rounds.
+pipeline (``(M + P - 1)`` micro-batch slots per batch for stock and for the calls of a synchronous warm start,
+``M`` for PACI: the bubble is the only difference), since this model has no timed throughput rounds.
 
 ``python -m ds_paci.tools.studies.quality --part larger --out docs/results/quality [--runs NAME ...]`` (resumable:
 one JSON line per run in ``<out>/larger.jsonl``; each run's validation losses also go, as they come, to
@@ -31,6 +31,7 @@ class Run(NamedTuple):
     window: object  # stage_windows' argument: None (a = M) or "auto" (ds_paci.core.config.auto_window, as today)
     stages: int = STAGES
     micro_batches: int = MICRO_BATCHES
+    sync_calls: int = 0  # the replay's sync_calls: a synchronous warm start of that many calls (issue 30)
 
 
 #: The P = 4 rows keep their first names (their stored lines in larger.jsonl have no shape fields); issue 30's
@@ -38,7 +39,8 @@ class Run(NamedTuple):
 RUNS = (Run("stock", "sync", None), Run("paci+lookahead a=M", "lookahead", None),
         Run("paci+lookahead auto", "lookahead", "auto"),
         Run("P=8 M=4 stock", "sync", None, 8, 4), Run("P=8 M=4 paci+lookahead auto", "lookahead", "auto", 8, 4),
-        Run("P=8 M=8 stock", "sync", None, 8, 8), Run("P=8 M=8 paci+lookahead auto", "lookahead", "auto", 8, 8))
+        Run("P=8 M=8 stock", "sync", None, 8, 8), Run("P=8 M=8 paci+lookahead auto", "lookahead", "auto", 8, 8),
+        Run("paci+lookahead auto sync100", "lookahead", "auto", sync_calls=100))
 
 
 def shapes() -> list:
@@ -82,9 +84,11 @@ def run_one(run: Run, echo=None) -> dict:
                                                                              seed=DATA_SEED),
                     eval_micro_batches(val, MICRO_BATCH_SIZE, SEQ_LEN, count=VAL_MICRO_BATCHES), steps, mode=run.mode,
                     window=run.window, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, evaluation=Evaluation(every=EVERY),
-                    echo=echo)
+                    echo=echo, sync_calls=run.sync_calls)
     return {"name": run.name, "mode": run.mode, "stages": run.stages, "micro_batches": run.micro_batches,
-            "windows": stage_windows(run.window, run.stages, run.micro_batches), "steps": steps,
+            "windows": stage_windows(run.window, run.stages, run.micro_batches, per_stage=run.sync_calls > 0),
+            "steps": steps,
+            "sync_calls": run.sync_calls,
             "curve": result.curve, "lookahead": result.lookahead, "seconds": round(result.seconds, 1),
             "loadavg": list(os.getloadavg())}
 
@@ -148,11 +152,12 @@ def shape_table(done: dict, stages: int, micro_batches: int, out: str | None = N
         elif reach == "-":
             reach_s = t = speed = "-"
         else:
-            slots = micro_batches + stages - 1 if run.mode == "sync" else micro_batches
+            full = micro_batches + stages - 1  # a call with the bubble: stock's, and a warm start's
+            warm = reach if run.mode == "sync" else min(reach, row.get("sync_calls", 0))
+            slots = warm * full + (reach - warm) * micro_batches
             reach_s = f"{reach:.0f}"
-            t = f"{reach * slots:.0f} micro-batch slots"
-            speed = "1.00x" if run.mode == "sync" else \
-                f"{STEPS * (micro_batches + stages - 1) / micro_batches / reach:.2f}x"
+            t = f"{slots:.0f} micro-batch slots"
+            speed = "1.00x" if run.mode == "sync" else f"{STEPS * full / slots:.2f}x"
         win = ",".join(str(a) for a in row["windows"]) if len(set(row["windows"])) > 1 else str(row["windows"][0])
         lines.append(f"| {run.name} | {win} | {at:.4f} | {vs} | {reach_s} | {t} | {speed} | {row['seconds']:.0f} |")
     return lines
