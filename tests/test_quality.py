@@ -202,11 +202,12 @@ def test_larger_p8_rows_run_todays_auto_and_a_run_in_progress_shows_its_curve_so
     from ds_paci.tools.studies.quality import larger
     names = [r.name for r in larger.RUNS]
     assert len(names) == len(set(names)) and names[:3] == ["stock", "paci+lookahead a=M", "paci+lookahead auto"]
-    assert larger.shapes() == [(4, 4), (8, 4), (8, 8)]
+    assert larger.shapes() == [(4, 4), (8, 4), (8, 8), (4, 2)]
     for run in larger.RUNS:
         if run.window == "auto":
-            assert stage_windows(run.window, run.stages, run.micro_batches) == [
-                auto_window(run.stages, run.micro_batches, s) for s in range(run.stages)]
+            warm = run.sync_calls > 0
+            assert stage_windows(run.window, run.stages, run.micro_batches, per_stage=warm) == [
+                auto_window(run.stages, run.micro_batches, s, per_stage=warm) for s in range(run.stages)]
     stock = larger.stock_of(8, 4)
     curve = [[0, 5.0], [1000, 2.0]]
     (tmp_path / "larger.jsonl").write_text(json.dumps({"name": stock.name, "windows": [4] * 8, "curve": curve,

@@ -102,6 +102,10 @@ for _tag in ("", "-s2"):
     for _P in (4, 8, 16):
         CELLS[f"sweep-P{_P}M{_P // 2}-lr1e-3{_tag}"] = (lambda P, seeds: lambda: _sweep(P, seeds, 1e-3))(_P,
                                                                                                  SEEDS[_tag])
+# P = 32, M = 16 (the sweep's deepest M = P/2 cell), both learning rates, the sweep's two seeds
+for _tag in ("", "-s2"):
+    CELLS[f"sweep-P32M16{_tag}"] = (lambda seeds: lambda: _sweep(32, seeds))(SEEDS[_tag])
+    CELLS[f"sweep-P32M16-lr1e-3{_tag}"] = (lambda seeds: lambda: _sweep(32, seeds, 1e-3))(SEEDS[_tag])
 for _tag, _seeds in SEEDS.items():
     CELLS[f"held-w48x2{_tag}"] = (lambda seeds: lambda: _held(seeds))(_seeds)
 

@@ -1,7 +1,7 @@
-"""One larger model: GPT-2 of 8 blocks x 256 on the Shakespeare corpus at emulated P = 4 (M = 4) and P = 8 (M = 4, 8).
+"""One larger model: GPT-2 of 8 blocks x 256 on the Shakespeare corpus at emulated P = 4 (M = 4, 2) and P = 8 (M = 4, 8).
 
 Stock (the replay's sync mode), then PACI + look-ahead with the engine's default window ``a = M`` and with
-``"auto"``, trained 1.5x stock's :data:`STEPS` (one drain at every validation, as the engine's curve study),
+``"auto"`` (and, issue 30, after a synchronous warm start of ``sync_calls`` calls: ``syncK`` in a run's name), trained 1.5x stock's :data:`STEPS` (one drain at every validation, as the engine's curve study),
 so that the time to stock's final loss is defined. Time = steps x seconds per batch of the ideal emulated
 pipeline (``(M + P - 1)`` micro-batch slots per batch for stock and for the calls of a synchronous warm start,
 ``M`` for PACI: the bubble is the only difference), since this model has no timed throughput rounds.
@@ -40,7 +40,11 @@ RUNS = (Run("stock", "sync", None), Run("paci+lookahead a=M", "lookahead", None)
         Run("paci+lookahead auto", "lookahead", "auto"),
         Run("P=8 M=4 stock", "sync", None, 8, 4), Run("P=8 M=4 paci+lookahead auto", "lookahead", "auto", 8, 4),
         Run("P=8 M=8 stock", "sync", None, 8, 8), Run("P=8 M=8 paci+lookahead auto", "lookahead", "auto", 8, 8),
-        Run("paci+lookahead auto sync100", "lookahead", "auto", sync_calls=100))
+        Run("paci+lookahead auto sync100", "lookahead", "auto", sync_calls=100),
+        Run("P=4 M=2 stock", "sync", None, 4, 2), Run("P=4 M=2 paci+lookahead auto", "lookahead", "auto", 4, 2),
+        Run("P=4 M=2 paci+lookahead auto sync100", "lookahead", "auto", 4, 2, sync_calls=100),
+        Run("P=4 M=2 paci+lookahead a=3 sync100", "lookahead", 3, 4, 2, sync_calls=100),
+        Run("P=4 M=2 paci+lookahead auto sync200", "lookahead", "auto", 4, 2, sync_calls=200))
 
 
 def shapes() -> list:
