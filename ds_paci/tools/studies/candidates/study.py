@@ -28,7 +28,11 @@ prediction from Adam's first moment), ``blend`` (the open window plus the moment
 ``uniform-max`` from the measured prediction error), each on ``"auto"``'s windows (``ef-half``: feedback 0.5); ``uniform-blend``;
 ``lr-slowest`` (``"auto"``'s windows, every stage's learning rate scaled to the slowest stage's rate per sample,
 ``a_s / max(a)``) and ``ef-lr-slowest`` (that with error feedback); ``uniform-lr-sqrt`` / ``uniform-lr-lin``
-(today's ``"auto"`` windows with the learning rate scaled by ``(a / M) ** 0.5`` or ``a / M``).
+(today's ``"auto"`` windows with the learning rate scaled by ``(a / M) ** 0.5`` or ``a / M``); a synchronous warm
+start (the replay's ``sync_calls``, the engine's ``"sync_warmup_calls"``): ``sync{5,10,20}-*`` (that share of the
+calls) and ``sync{32,48,64,100}c-*`` (that many calls), then ``"auto"``'s per-stage windows (``-auto``), one window
+(``-uniform``) or that with the learning rate scaled by ``a / M`` (``-lr-lin``); cells ``sweep-P32M16`` (and ``-s2``,
+``-lr1e-3``).
 """
 
 from __future__ import annotations
@@ -133,12 +137,12 @@ for _pct in (5, 10, 20):
     CANDIDATES[f"sync{_pct}-auto"] = Candidate(f"sync{_pct}-auto", sync_fraction=_pct / 100)
     CANDIDATES[f"sync{_pct}-uniform"] = Candidate(f"sync{_pct}-uniform", window="uniform-max",
                                                   sync_fraction=_pct / 100)
-for _n in (32, 48, 64):  # a fixed count of synchronous calls, whatever the run's length
+for _n in (32, 48, 64, 100):  # a fixed count of synchronous calls, whatever the run's length
     CANDIDATES[f"sync{_n}c-auto"] = Candidate(f"sync{_n}c-auto", sync_calls=_n)
     CANDIDATES[f"sync{_n}c-uniform"] = Candidate(f"sync{_n}c-uniform", window="uniform-max", sync_calls=_n)
     CANDIDATES[f"sync{_pct}-lr-lin"] = Candidate(f"sync{_pct}-lr-lin", window="uniform-max", lr_power=1.0,
                                                  sync_fraction=_pct / 100)
-for _n in (32, 48, 64):  # a fixed count of synchronous calls, whatever the run's length
+for _n in (32, 48, 64, 100):  # a fixed count of synchronous calls, whatever the run's length
     CANDIDATES[f"sync{_n}c-auto"] = Candidate(f"sync{_n}c-auto", sync_calls=_n)
     CANDIDATES[f"sync{_n}c-uniform"] = Candidate(f"sync{_n}c-uniform", window="uniform-max", sync_calls=_n)
 
