@@ -372,14 +372,15 @@ def _adapt_windows(pipe, adaptive, low, high) -> list:
 
 
 def _set_schedule(pipe, schedule, lr, scales):
-    """Put every stage of a drained ``pipe`` on sync mode's schedule (``schedule=None``: window ``M``, aligned, no slack,
-    no prediction) or on ``(mode, windows, step phase rule, slack links)``; learning rates ``lr * scales[s]``."""
+    """Put every stage of a drained ``pipe`` on sync mode's schedule (``schedule=None``: window ``M``, aligned, no
+    prediction) or on ``(mode, windows, step phase rule)``, through ``PACIStream.set_micro_batches`` as the engine's
+    warm start does (:mod:`ds_paci.core.engine.warm_start`); learning rates ``lr * scales[s]``."""
     stages, micro_batches = len(pipe.stages), pipe.micro_batches
-    mode, windows, rule, slack = schedule or ("sync", [micro_batches] * stages, "aligned", ())
+    mode, windows, rule = schedule or ("sync", [micro_batches] * stages, "aligned")
     pipe.mode = mode
     for s, st in enumerate(pipe.stages):
         st.window = windows[s]
-        st.stream = PACIStream(stages, s, windows[s], micro_batches, phase_of(rule, s, windows[s]), slack)
+        st.stream.set_micro_batches(micro_batches, windows[s], phase_of(rule, s, windows[s]))
         for opt in st.optimizers:
             for group in opt.param_groups:
                 group["lr"] = lr * scales[s]
@@ -440,7 +441,7 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     began = time.time()
     for step in range(1, steps + 1):
         if sync_calls and mode != "sync" and step == sync_calls + 1:
-            _set_schedule(pipe, (mode, windows, rule, slack), lr, scales)
+            _set_schedule(pipe, (mode, windows, rule), lr, scales)
         pipe.advance()
         if pipe.mode == "sync":  # drain_every_batch: inside the call
             pipe.drain(close_window=True)  # a = M: nothing is left open anyway
