@@ -213,7 +213,7 @@ class PACIStream:
 
     def in_flight(self):
         """Micro-batches forwarded but not yet backwarded at this stage."""
-        t, s, P = self.segment_tick, self.stage_id, self.stages
+        t, s = self.segment_tick, self.stage_id
         forwarded = max(0, (t - s + 1) // 2)  # m with 2m + s < t
         backwarded = max(0, (t - self.lag + 1) // 2)
         return forwarded - backwarded
@@ -225,7 +225,7 @@ class PACIStream:
     # -- generation ----------------------------------------------------------------
     def _step_id(self, t):
         """(segment-local micro-batch, is_forward) for segment tick ``t``."""
-        s, P = self.stage_id, self.stages
+        s = self.stage_id
         if (t - s) % 2 == 0:
             return (t - s) // 2, True
         return (t - self.lag) // 2, False
