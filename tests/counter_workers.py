@@ -64,7 +64,7 @@ def drains_do_not_change_training(rank, save_dir, csv_dir, calls=12, save_at=5):
     val = batches(1, seed=11)
     monitor = {"csv_monitor": {"enabled": True, "output_path": csv_dir, "job_name": "reference"}}
     out = {}
-    engine = mlp_engine(4, 1, {"accumulation_window": "auto"}, tied=True, layers=4, **monitor)
+    engine = mlp_engine(4, 1, {"accumulation_window": "auto", "sync_warmup_calls": 0}, tied=True, layers=4, **monitor)
     out["window"] = engine.accumulation_window
     out["reference"] = [_record(engine, engine.train_batch(iter([data[k]]))) for k in range(calls)]
     engine.drain(close_window=False)  # as eval_batch drains; a = 3 divides the 12 micro-batches: nothing left open
@@ -85,11 +85,11 @@ def drains_do_not_change_training(rank, save_dir, csv_dir, calls=12, save_at=5):
                "copy_checks": engine.paci_stats()["tied"]["copy_checks"], **_record(engine, float("nan"))}
         return records, end
 
-    engine = mlp_engine(4, 1, {"accumulation_window": "auto"}, tied=True, layers=4)
+    engine = mlp_engine(4, 1, {"accumulation_window": "auto", "sync_warmup_calls": 0}, tied=True, layers=4)
     out["evaluated"], out["evaluated_end"] = evaluated(engine, 0)
     engine.destroy()
 
-    engine = mlp_engine(4, 1, {"accumulation_window": "auto"}, tied=True, layers=4, seed=99)
+    engine = mlp_engine(4, 1, {"accumulation_window": "auto", "sync_warmup_calls": 0}, tied=True, layers=4, seed=99)
     _, client = engine.load_checkpoint(save_dir)
     out["resumed_from"] = (client["calls"], engine.global_steps, engine.paci_stats().get("window_fill"))
     out["resumed"], out["resumed_end"] = evaluated(engine, client["calls"])

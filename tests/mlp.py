@@ -45,7 +45,12 @@ def mse(out, target):
     return ((out - target)**2).mean()
 
 
-def mlp_pipeline(stages, layers=4, seed=7, dim=DIM, tied=False, **kwargs):
+def cross_entropy(out, labels):
+    """Classification loss for :func:`classification_batches` (the tanh output scaled to logits)."""
+    return torch.nn.functional.cross_entropy(4 * out, labels)
+
+
+def mlp_pipeline(stages, layers=4, seed=7, dim=DIM, tied=False, loss_fn=mse, **kwargs):
     """``layers`` tanh layers; with ``tied`` the first and last are one ``TiedLayerSpec("w")`` (layer 0's weights).
 
     Tied: only ``linear.weight`` is tied (:class:`TiedTanhLayer`, DeepSpeed's default ``tied_weight_attr``);
@@ -55,7 +60,7 @@ def mlp_pipeline(stages, layers=4, seed=7, dim=DIM, tied=False, **kwargs):
     if tied:
         specs[0] = TiedLayerSpec("w", TiedTanhLayer, 0, seed, dim)
         specs[-1] = TiedLayerSpec("w", TiedTanhLayer, 0, seed, dim)
-    return PipelineModule(layers=specs, num_stages=stages, loss_fn=mse, partition_method="uniform", **kwargs)
+    return PipelineModule(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method="uniform", **kwargs)
 
 
 def regression_batches(micro_batch_size, seed=3, dim=DIM):
@@ -65,6 +70,13 @@ def regression_batches(micro_batch_size, seed=3, dim=DIM):
     while True:
         x = torch.randn(micro_batch_size, dim, generator=g)
         yield x, torch.tanh(x @ target.T)
+
+
+def classification_batches(micro_batch_size, seed=3, dim=DIM):
+    """Infinite deterministic (x, class id) micro-batches: the class is the largest output of a fixed random target
+    (integer labels, as a language model's token ids)."""
+    for x, y in regression_batches(micro_batch_size, seed, dim):
+        yield x, y.argmax(dim=1)
 
 
 def run_streams_by_hand(P, layers, gas, window, calls, W, gW, micro_batch_size, on_step, stale=False):

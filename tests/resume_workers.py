@@ -224,13 +224,13 @@ def four_ranks(rank, root, p2dp1):
     # "auto" on P = 4: M = 10 gives a = ceil(10/3) = 4 on every stage (2 micro-batches open after one call);
     # M = 1 gives a = 3 on every stage
     auto = os.path.join(root, "auto")
-    engine = build(4, 10, {"accumulation_window": "auto"})
+    engine = build(4, 10, {"accumulation_window": "auto", "sync_warmup_calls": 0})
     data = Data(nan_at=())
     run(engine, data, 1)
     engine.save_checkpoint(auto, tag="open")
     out["auto_saved"] = (engine.accumulation_window, engine.paci_stats()["window_fill"])
     engine.destroy()
-    engine = build(4, 1, {"accumulation_window": "auto"}, seed=99)
+    engine = build(4, 1, {"accumulation_window": "auto", "sync_warmup_calls": 0}, seed=99)
     out["auto_window"] = engine.accumulation_window
     out["auto"] = attempt_refused(engine, Data(nan_at=()), auto, "open")
     return out

@@ -28,7 +28,7 @@ def test_defaults_and_valid_section():
 def test_auto_window_keeps_drift_at_most_one_on_every_stage_within_its_floors():
     from ds_paci.core.config import auto_window
     from ds_paci.core.program.stream import drift_bound
-    auto = parse_paci_section({"enabled": True, "accumulation_window": "auto"})
+    auto = parse_paci_section({"enabled": True, "accumulation_window": "auto", "sync_warmup_calls": 0})
     for P in range(2, 17):
         for M in range(1, 33):
             windows = [auto.window(M, P, s) for s in range(P)]
@@ -131,12 +131,13 @@ def test_auto_window_is_one_window_on_every_stage_tied_or_not_sync_or_not():
 
     from ds_paci.core.engine.pipeline_engine import PACIPipelineEngine
 
-    def engine(stage, tied, sync=False):
+    def engine(stage, tied, sync=False, warm=False):
         layer = torch.nn.Identity
         specs = [TiedLayerSpec("e", layer) if tied else LayerSpec(layer)] + [LayerSpec(layer)] * 6 + \
             [TiedLayerSpec("e", layer) if tied else LayerSpec(layer)]
         module = SimpleNamespace(parts=list(range(9)), _layer_specs=specs, num_stages=8)
-        paci = parse_paci_section({"enabled": True, "accumulation_window": "auto", "drain_every_batch": sync})
+        paci = parse_paci_section({"enabled": True, "accumulation_window": "auto", "drain_every_batch": sync,
+                                   **({} if warm else {"sync_warmup_calls": 0})})
         return SimpleNamespace(paci=paci, micro_batches=4, num_stages=8, stage_id=stage, module=module)
 
     window = PACIPipelineEngine._configured_window
@@ -144,6 +145,9 @@ def test_auto_window_is_one_window_on_every_stage_tied_or_not_sync_or_not():
     assert [window(engine(s, tied=False)) for s in range(8)] == [7] * 8
     assert [window(engine(s, tied=True)) for s in range(8)] == [7] * 8  # tied owners step together
     assert [window(engine(s, tied=False, sync=True)) for s in range(8)] == [7] * 8
+    # the default "auto" warm start: per stage after it (late stages step every M); tied owners still together
+    assert [window(engine(s, tied=False, warm=True)) for s in range(8)] == [7, 6, 5, 4, 4, 4, 4, 4]
+    assert [window(engine(s, tied=True, warm=True)) for s in range(8)] == [7] * 8
 
 
 def test_the_main_job_and_initialize_share_one_model_free_config_check():

@@ -205,7 +205,7 @@ def test_larger_p8_rows_run_todays_auto_and_a_run_in_progress_shows_its_curve_so
     assert larger.shapes() == [(4, 4), (8, 4), (8, 8), (4, 2)]
     for run in larger.RUNS:
         if run.window == "auto":
-            warm = run.sync_calls > 0
+            warm = bool(run.sync_calls)
             assert stage_windows(run.window, run.stages, run.micro_batches, per_stage=warm) == [
                 auto_window(run.stages, run.micro_batches, s, per_stage=warm) for s in range(run.stages)]
     stock = larger.stock_of(8, 4)

@@ -24,7 +24,9 @@ CASES = {
         CheckSpec(4, 4, "lookahead", window=3, step_phase="diagonal", slack_links=(1, )),
         CheckSpec(4, 2, "lookahead", window="auto", slack_links=(0, 2)),
         CheckSpec(4, 2, "lookahead", window="auto", sync_calls=3),
-        CheckSpec(4, 2, "lookahead", window="auto", step_phase="diagonal", sync_calls=2)],
+        CheckSpec(4, 2, "lookahead", window="auto", step_phase="diagonal", sync_calls=2),
+        # the "auto" warm start: its end on the loss (ratio 1.65: after call 9 of this tiny model, the replay says)
+        CheckSpec(4, 2, "lookahead", window="auto", steps=14, sync_calls="auto", warm_ratio=1.65)],
     8: [CheckSpec(8, 4, "lookahead", window=4, steps=5, eval_every=2),
         CheckSpec(8, 4, "paci", window="auto", steps=5, eval_every=2),
         CheckSpec(8, 4, "lookahead", window=4, steps=5, eval_every=2, step_phase="diagonal")],
@@ -45,6 +47,8 @@ def test_the_replay_reproduces_the_engine_bit_for_bit(stages, tmp_path):
         assert gap["call_losses_identical"], f"{where}: per-call losses differ by {gap['call_loss_gap']}"
         assert gap["curve_gap"] == 0.0, f"{where}: validation losses differ by {gap['curve_gap']}"
         assert gap["weights_identical"], f"{where}: final weights differ by {gap['weight_gap']} {gap['missing_keys']}"
+        if spec.sync_calls == "auto":  # it ended inside the run, so both sides switched at the same call
+            assert 8 <= replayed["warm_calls"] < spec.steps, (where, replayed["warm_calls"])
     # the cases differ from each other: the check would notice a replay that ignored mode or window
     finals = [e["curve"][-1][1] for e in engines]
     assert len(set(finals)) == len(finals)

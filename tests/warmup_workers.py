@@ -39,3 +39,53 @@ def two_ranks(rank, root):
     engine = rw.build(2, 2, {"accumulation_window": 3})
     out["cold"] = rw.finish(engine, window_of_each_call(engine, data, 6))
     return out
+
+
+RATIO = float(os.environ.get("WARM_RATIO", "1.2"))  # the "auto" warm start's end on the classifier (see AUTO_CALLS)
+AUTO_PACI = {"accumulation_window": 3, "sync_warmup_calls": "auto", "sync_warmup_loss_ratio": RATIO}
+AUTO_SAVE, AUTO_CALLS = 5, 16  # a save after call 5 (inside the warm start, 5 losses seen), 16 calls in all
+
+
+class ClassData(rw.Data):
+    """``rw.Data`` with integer labels (``mlp.classification_batches``): what the ``"auto"`` warm start judges."""
+
+    def __init__(self):
+        from mlp import classification_batches
+        gen = classification_batches(rw.MICRO)
+        self.batches = [next(gen) for _ in range(2 * AUTO_CALLS)]
+        self.used = 0
+
+
+def build_classifier(paci, seed=7):
+    """The tests' MLP on 2 stages (M = 2) with a cross-entropy loss on class ids."""
+    import ds_paci
+    from mlp import cross_entropy, mlp_pipeline
+    from workers import ds_config
+    model = mlp_pipeline(2, layers=4, seed=seed, loss_fn=cross_entropy)
+    cfg = ds_config(2, {"enabled": True, "watchdog_seconds": 60, **paci}, optimizer=False)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0, "torch_adam": True}}
+    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                       "warmup_num_steps": 10, "warmup_type": "linear"}}
+    engine, *_ = ds_paci.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    return engine
+
+
+def auto_two_ranks(rank, root):
+    """P = 2, ``"auto"`` warm start: the uninterrupted run (a save inside the warm start), the same run resumed from
+    it, and a run on float labels (regression), which cannot be judged and ends the warm start after one call."""
+    out = {}
+    ckpt = os.path.join(root, "auto")
+    data = ClassData()
+    engine = build_classifier(AUTO_PACI)
+    out["first"] = window_of_each_call(engine, data, AUTO_SAVE)
+    engine.save_checkpoint(ckpt, tag="warm", client_state={"used": data.used})
+    used = data.used
+    out["ref"] = rw.finish(engine, window_of_each_call(engine, data, AUTO_CALLS - AUTO_SAVE))
+    data = ClassData()
+    data.used = used
+    engine = build_classifier(AUTO_PACI, seed=99)
+    engine.load_checkpoint(ckpt, tag="warm")
+    out["resumed"] = rw.finish(engine, window_of_each_call(engine, data, AUTO_CALLS - AUTO_SAVE))
+    engine = rw.build(2, 2, {"accumulation_window": 3, "sync_warmup_calls": "auto"})
+    out["unjudged"] = rw.finish(engine, window_of_each_call(engine, rw.Data(nan_at=()), 3))
+    return out

@@ -15,7 +15,8 @@ Example (JSON)::
         "overlap_reduce": true,
         "nonblocking_transfers": false,
         "slack_links": [],
-        "sync_warmup_calls": 0
+        "sync_warmup_calls": "auto",
+        "sync_warmup_loss_ratio": 0.9
     }
 
 Keys (every one optional):
@@ -30,8 +31,8 @@ Keys (every one optional):
     ``a``: each stage takes its own optimizer step after every ``a`` of its backward
     passes. Drift is bounded by ``ceil((P-1-s)/a)``; ``a >= P-1`` keeps it at one
     version. Gradients are averaged over the window (the last stage scales the loss
-    by ``1/a``). ``"auto"``: ``a = max(P-1, ceil(M/3))`` on every stage (:func:`auto_window`):
-    drift <= 1 on every stage (per stage at ``M < P-1`` until issue 30).
+    by ``1/a``). ``"auto"``: ``a = max(P-1, ceil(M/3))`` (:func:`auto_window`; per stage at ``M < P-1`` after
+    a warm start, which ``"auto"`` turns on: ``sync_warmup_calls``): drift <= 1 on every stage.
     At most ``MAX_WINDOW_CALLS`` (64) x ``gradient_accumulation_steps``, i.e. every stage
     steps at least once every 64 ``train_batch`` calls (:func:`check_accumulation_window`);
     a larger window is refused, not warned about.
@@ -41,14 +42,11 @@ Keys (every one optional):
     Muon: :mod:`ds_paci.core.lookahead.rules`; gradient clipping included), which are
     restored right after it. Other optimizers run plain PACI (one log line says so).
 ``lookahead_restore`` (``"copy"`` or ``"recompute"``, default ``"copy"``)
-    How fp32 weights stepped directly by the optimizer get back after a predicted
-    forward: from a copy of the stage's weights held during that forward (exact; one fp32
-    copy of the stage's weights while it runs), or by recomputing the same update and
-    undoing it (no copy, about twice the prediction's time, exact only up to rounding).
-    ``"recompute"`` applies only to a stage without data-parallel replicas that owns no
-    tied layers shared with another stage: elsewhere copies must stay bit-identical and
-    the stage copies (one log line). bf16 and ZeRO-1 always restore exactly from their
-    fp32 master weights.
+    How fp32 weights stepped directly by the optimizer get back after a predicted forward: from a copy of the
+    stage's weights held during that forward (exact; one fp32 copy while it runs), or by recomputing the same
+    update and undoing it (no copy, about twice the prediction's time, exact only up to rounding). ``"recompute"``
+    applies only to a stage without data-parallel replicas that owns no tied layers shared with another stage
+    (elsewhere the stage copies; one log line). bf16 and ZeRO-1 restore exactly from their fp32 master weights.
 ``drain_every_batch`` (bool, default false)
     Sync mode: drain after every ``train_batch``. Reproduces the stock engine exactly.
 ``step_phase`` (``"aligned"`` or ``"diagonal"``; default :data:`DEFAULT_STEP_PHASE` in async mode, ``"aligned"``
@@ -96,28 +94,26 @@ Keys (every one optional):
     deadlock on NCCL). Sync mode keeps DeepSpeed's blocking transfers.
 ``slack_links`` (list of link ids, default ``[]``)
     Links that get one micro-batch of slack (:mod:`ds_paci.core.program.stream`, "Slack links"): link ``b`` joins
-    stage ``b`` to stage ``b+1`` (``0 <= b <= P-2``); list the slow ones, the links between nodes (with 8 GPUs a
-    node and one stage a GPU: ``[7, 15, ...]``). Every stage ``s`` holds ``k_s`` more micro-batches in flight than
-    1F1B's ``P - s`` (``k_s``: listed links at or after ``s``), so that with ``nonblocking_transfers`` a transfer
-    over a listed link is no longer on the pipeline's dependence chain (simulated at P = 16, M = 4P, 100 Gb/s
-    between nodes: 7.92 -> 7.36 ms per micro-batch, ``docs/results/scale.md``). Costs: stage 0 holds ``P + k_0``
-    micro-batches' activations instead of ``P`` (the peak), the drift bound becomes ``ceil((P-1-s+k_s)/a)`` and
-    ``"auto"`` widens its window to ``P-1+k_0`` to keep it at 1. Blocking transfers gain nothing from it (both
-    ends wait for a transfer either way). Async mode only, and not with tied layers on several stages (both
-    refused at start-up, one line each).
-``sync_warmup_calls`` (int >= 0, default 0)
-    A synchronous warm start: the first ``K`` ``train_batch`` calls (``global_steps < K``) run on the stock engine's
-    schedule (window ``M``, a drain at the end of each call, so nothing is predicted and each costs stock's bubble),
-    then the configured streams start (:mod:`ds_paci.core.engine.warm_start`). Measured in the replay at M < P and
-    stock's best learning rate, where PACI from the first step often sat on a loss plateau
-    (``docs/results/quality-candidates.md``). Async mode only: sync mode is synchronous throughout (refused).
+    stage ``b`` to stage ``b+1``; list the links between nodes (8 GPUs a node, a stage a GPU: ``[7, 15, ...]``).
+    Stage ``s`` holds ``k_s`` (listed links at or after ``s``) more micro-batches in flight than 1F1B, so that with
+    ``nonblocking_transfers`` a transfer over a listed link leaves the dependence chain (simulated: P = 16, M = 4P,
+    100 Gb/s, 7.92 -> 7.36 ms per micro-batch, ``docs/results/scale.md``). Costs: stage 0 holds ``P + k_0``
+    micro-batches' activations, drift bound ``ceil((P-1-s+k_s)/a)``, ``"auto"`` widens to ``P-1+k_0``. Async
+    mode only, not with tied layers on several stages (refused at start-up, one line each).
+``sync_warmup_calls`` (int >= 0 or ``"auto"``; default ``"auto"`` with ``"accumulation_window": "auto"``, else 0)
+    A synchronous warm start: the first calls run on stock's schedule (window ``M``, a drain every call: nothing is
+    predicted, each costs stock's bubble), then the configured streams (:mod:`ds_paci.core.engine.warm_start`).
+    ``K``: the first ``K`` calls (``global_steps < K``). ``"auto"``: until the mean loss of the last 8 calls is
+    below ``sync_warmup_loss_ratio`` x the labels' unigram entropy (:mod:`ds_paci.core.program.warm_end`), off
+    the plateau where PACI from the first step often stayed (issue 30); integer labels (token ids) only, else it
+    ends after one call (one line says so). Async mode only (in sync mode an explicit value is refused).
+``sync_warmup_loss_ratio`` (number > 0, default 0.9)
+    The ``"auto"`` warm start's end (above); refused with a count or without a warm start.
 
-Everything that cannot be honoured fails in :func:`validate_run` with a message that
-names the key, the value and what is allowed. ``ds_paci.initialize`` and
-``PACIPipelineEngine.__init__`` both call it (the engine before DeepSpeed builds its
-optimizer), so building the engine class directly fails the same way. The run-level
-checks are also pure functions of the config (:func:`check_batch_keys`,
-:func:`check_zero_stage`, :func:`check_fp16`, :func:`check_accumulation_window`), so a
+Everything that cannot be honoured fails in :func:`validate_run` with a message that names the key, the value
+and what is allowed. ``ds_paci.initialize`` and ``PACIPipelineEngine.__init__`` both call it (the engine before
+DeepSpeed builds its optimizer). The run-level checks are also pure functions of the config
+(:func:`check_batch_keys`, :func:`check_zero_stage`, :func:`check_fp16`, :func:`check_accumulation_window`), so a
 launcher can run them before any process group exists.
 """
 
@@ -156,7 +152,18 @@ class PACIConfig:
     nonblocking_transfers: bool = False
     step_phase: Optional[str] = None  # None: DEFAULT_STEP_PHASE in async mode, "aligned" in sync mode
     slack_links: tuple = ()  # links b (stage b -> b+1) with one micro-batch of slack, sorted
-    sync_warmup_calls: int = 0  # the first calls on stock's schedule (engine.warm_start)
+    sync_warmup_calls: object = None  # int K or "auto" (engine.warm_start); None: the default, see __post_init__
+    sync_warmup_loss_ratio: float = 0.9  # the "auto" warm start's end (program.warm_end)
+
+    def __post_init__(self):
+        if self.sync_warmup_calls is None:  # the default: "auto" goes with the "auto" window, in async mode
+            auto = self.accumulation_window == AUTO and not self.drain_every_batch
+            object.__setattr__(self, "sync_warmup_calls", AUTO if auto else 0)
+
+    @property
+    def warm_start(self) -> bool:
+        """Whether the run starts synchronously (``sync_warmup_calls`` ``"auto"`` or ``K > 0``)."""
+        return self.sync_warmup_calls == AUTO or self.sync_warmup_calls > 0
 
     def phase_rule(self, stock_step, tied=False):
         """The step phase a run uses: ``"aligned"`` in sync mode (``stock_step``) and where tied layers span stages
@@ -168,7 +175,7 @@ class PACIConfig:
         stages (``stage=None``: one window for every stage, see :func:`auto_window`)."""
         if self.accumulation_window == AUTO:
             return auto_window(stages, gradient_accumulation_steps, stage, extra=len(self.slack_links),
-                               per_stage=self.sync_warmup_calls > 0)
+                               per_stage=self.warm_start)
         return self.accumulation_window or gradient_accumulation_steps
 
 
@@ -180,26 +187,19 @@ DEFAULT_STEP_PHASE = "aligned"
 
 
 def auto_window(stages, micro_batches, stage=None, extra=0, per_stage=False):
-    """``"accumulation_window": "auto"``: ``a = max(P-1, ceil(M/3))`` on every stage (``stage`` is accepted for the
-    callers that ask per stage; since issue 30 the answer does not depend on it, unless ``per_stage``). One stage:
-    ``M``. ``per_stage`` (a run with ``sync_warmup_calls``) and a ``stage``: ``a_s = max(min(M, P-1), P-1-s,
-    ceil(M/3))``, the per-stage rule below, which differs only where ``M < P-1``: after a synchronous warm start it
-    no longer sat on plateaus and, with late stages stepping every ``M``, kept stock's steps per sample at the lower
-    learning rate (``docs/results/quality-candidates.md``, fourth round). ``extra``: the
-    slack links (``"slack_links"``), which add as many micro-batches in flight at stage 0: ``P-1`` becomes
-    ``P-1+extra`` so that the drift bound stays 1.
+    """``"accumulation_window": "auto"``: ``a = max(P-1, ceil(M/3))`` on every stage; one stage: ``M``. With
+    ``per_stage`` (a run with a synchronous warm start, the default of ``"auto"``) and a ``stage``:
+    ``a_s = max(min(M, P-1), P-1-s, ceil(M/3))``, which differs only where ``M < P-1`` (late stages step every
+    ``M``): after a warm start it no longer sat on plateaus and kept stock's steps per sample at the lower learning
+    rate, while without one it sat on plateaus in 8 of 20 runs and one window ``P-1`` in none
+    (``docs/results/quality-candidates.md``). ``extra``: the slack links, which add as many micro-batches in flight
+    at stage 0 (``P-1`` becomes ``P-1+extra``, so that the drift bound stays 1).
 
-    Drift at stage ``s`` is ``ceil((P-1-s)/a)``: ``a >= P-1`` keeps it at most 1 everywhere, the one version the
-    look-ahead predicts. ``a = P-1`` trained as well as or better than every other window in the sweep's ``M = P``
-    and ``M = 2P`` cells; ``ceil(M/3)`` is a guard for ``M > 3(P-1)``, beyond the sweep (at most about three times
-    the stock engine's optimizer steps per sample), not evidence-based.
-
-    Where ``M < P-1`` the rule until issue 30 was per stage, ``a_s = max(M, P-1-s)`` (the smallest window keeping
-    stage ``s``'s drift <= 1, late stages stepping every ``M``). Over four seeds of the M = P/2 cells at stock's
-    best learning rate and two models the rule was not chosen on, that rule sat on a loss plateau in 8 of 20 runs
-    (+7% to +29% over stock) and one window ``P-1`` on every stage in none (its worst: +14.6%, a late escape);
-    ``docs/results/quality-candidates.md`` has the runs. The rule before issue 19 was ``max(M, P-1)``, and until
-    2026-12-01 the guard was ``ceil(M/2)``; the evidence for each change is in ``docs/results/quality.md``.
+    Drift at stage ``s`` is ``ceil((P-1-s)/a)``: ``a >= P-1`` keeps it at most 1, the one version the look-ahead
+    predicts. ``a = P-1`` trained as well as or better than every other window in the sweep's ``M = P`` and
+    ``M = 2P`` cells; ``ceil(M/3)`` is a guard for ``M > 3(P-1)``, beyond the sweep, not evidence-based. Earlier
+    rules (``max(M, P-1)`` before issue 19, the guard ``ceil(M/2)`` until 2026-12-01) and the evidence for each
+    change: ``docs/results/quality.md``.
     """
     if stages <= 1:
         return max(micro_batches, 1)
@@ -224,7 +224,10 @@ _KEYS = {
     "overlap_bucket_elements": "an integer >= 1",
     "nonblocking_transfers": "true or false",
     "slack_links": "a list of link ids b >= 0 (link b joins stage b to stage b+1), e.g. [7]",
-    "sync_warmup_calls": "an integer >= 0 (train_batch calls run on the stock schedule before PACI's streams)",
+    "sync_warmup_calls": "an integer >= 0 (train_batch calls run on the stock schedule before PACI's streams) or "
+                         "\"auto\" (until the loss is off the unigram plateau)",
+    "sync_warmup_loss_ratio": "a number > 0 (the \"auto\" warm start ends once the loss is below it x the labels' "
+                              "unigram entropy), e.g. 0.9",
 }
 
 
@@ -298,10 +301,19 @@ def parse_paci_section(section):
     for key, low in (("overlap_bucket_elements", 1), ("sync_warmup_calls", 0)):
         if key in section:
             n = section[key]
-            if not _is_int(n) or n < low:
+            if (not _is_int(n) or n < low) and not (key == "sync_warmup_calls" and n == AUTO):
                 raise bad(key, n)
             kw[key] = n
-    return PACIConfig(**kw)
+    if "sync_warmup_loss_ratio" in section:
+        r = section["sync_warmup_loss_ratio"]
+        if not (_is_int(r) or isinstance(r, float)) or not math.isfinite(r) or r <= 0:
+            raise bad("sync_warmup_loss_ratio", r)
+        kw["sync_warmup_loss_ratio"] = float(r)
+    out = PACIConfig(**kw)
+    if "sync_warmup_loss_ratio" in section and out.sync_warmup_calls != AUTO:
+        raise PACIConfigError(f'"paci.sync_warmup_loss_ratio" applies only to "sync_warmup_calls": "auto" (this run\'s '
+                              f'warm start: {out.sync_warmup_calls!r}); remove it or set "sync_warmup_calls": "auto"')
+    return out
 
 
 def check_section_key(ds_config):
@@ -396,7 +408,7 @@ def check_step_phase(paci, gradient_accumulation_steps):
     window ``M``: the stock engine's step at the end of every call, which has no phase and needs no warm start). Pure."""
     window = paci.accumulation_window
     stock = paci.drain_every_batch and (window is None or window == gradient_accumulation_steps)
-    if stock and paci.sync_warmup_calls:  # ("auto" resolves later; stock then ignores the key, said at start-up)
+    if stock and paci.warm_start:  # (an "auto" window resolves later; stock then ignores the key, said at start-up)
         raise PACIConfigError(f'"paci.sync_warmup_calls" = {paci.sync_warmup_calls} has no effect in sync mode '
                               '("drain_every_batch": true with the window M runs the stock schedule throughout); '
                               'remove "sync_warmup_calls" or "drain_every_batch"')

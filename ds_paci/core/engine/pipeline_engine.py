@@ -164,8 +164,8 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
                                                           self._stream.slack),
                                         trace=self.paci.trace)
         self._feed = MicroBatchFeed()
-        self._in_stream = False
-        self._calls = 0
+        warm_start.setup(self)
+        self._in_stream, self._calls = False, 0
         self._loss_calls = 0  # train_batch and drain calls: one side-channel message each
         self._drains = 0
         self._skips = SkipCounter(self.paci.max_consecutive_skips)
@@ -255,7 +255,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         self.timers(TRAIN_BATCH_TIMER).stop()
-        loss = self._finish_call()
+        loss = warm_start.observed(self, self._finish_call())  # an "auto" warm start may end here
         self._calls += 1
         self._report(loss)
         return loss
@@ -417,7 +417,7 @@ class PACIPipelineEngine(EngineCheckpoints, CallLosses, PipelineEngine):
         batch = self._feed.next()
         if ds.batch_fn(self):
             batch = ds.batch_fn(self)(batch)
-        return batch
+        return warm_start.seen(self, batch)
 
     def _exec_paci_forward(self, cmd):
         buffer_id = cmd.micro_batch % self._stream.nbuf

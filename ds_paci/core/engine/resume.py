@@ -36,6 +36,7 @@ from ..seam import deepspeed_internals as ds
 from ..step import window_state
 from ..step.window_state import WindowStateError
 from ..tied.layout import tied_owner_stages
+from . import warm_start
 
 _KINDS = {"WindowStateError": WindowStateError, "CheckpointError": CheckpointError}
 _CLOSE_FIX = "or save a checkpoint whose windows are closed (engine.drain() right before save_checkpoint)"
@@ -56,6 +57,7 @@ def saved_state(engine):
     return {"stages": engine.num_stages, "stage": engine.stage_id, "dp_size": engine.dp_world_size,
             "tied": {key: list(stages) for key, stages in tied_owner_stages(engine.module).items()},
             "tied_lag": None if tied is None else tied.lag,
+            "warm_start": warm_start.state_dict(engine),
             "skips": {"total": engine._skips.total, "consecutive": engine._skips.consecutive,
                       "last_skipped_step": engine._skips.last_skipped_step}}
 
@@ -149,6 +151,8 @@ def apply(engine, agreed):
     """After DeepSpeed's load: the agreed state in place of the engine's own (see the module docstring)."""
     window_state.discard(engine)  # the drained engine's own open window does not continue
     saved = agreed.saved
+    if not agreed.module_only:  # a module-only load starts its own warm start afresh
+        warm_start.load_state_dict(engine, None if saved is None else saved.get("warm_start"))
     if agreed.module_only or saved is None:
         engine._stream.window_fill = 0
         return

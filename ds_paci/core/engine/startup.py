@@ -102,11 +102,25 @@ def startup_lines(paci, stages, micro_batches, windows, lookahead, clipping, dee
     over = [s for s, b in enumerate(bounds) if b > 1]
     if over and lookahead is True and not sync:
         auto = [auto_window(stages, micro_batches, None if tied else s, len(paci.slack_links),
-                            paci.sync_warmup_calls > 0) for s in range(stages)]
+                            paci.warm_start) for s in range(stages)]
         lines.append(f"ds_paci: advice: drift bound {[bounds[s] for s in over]} > 1 on stage(s) {over}: forwards there "
                      f"cross up to that many local steps, while the look-ahead predicts one; \"accumulation_window\": "
                      f"\"auto\" would choose windows {auto} (drift bound <= 1 on every stage)")
     return lines
+
+
+def warm_start_line(paci, stock):
+    """The start-up line of a synchronous warm start (``paci.warm_start``); ``stock``: sync mode, which ignores it."""
+    calls = paci.sync_warmup_calls
+    if stock:
+        return f"ds_paci: sync_warmup_calls = {calls!r} ignored: sync mode runs the stock schedule throughout"
+    if calls == "auto":
+        until = (f"until the mean loss of the last 8 calls is below {paci.sync_warmup_loss_ratio:g} x the labels' "
+                 "unigram entropy (the model has left the unigram plateau)")
+    else:
+        until = f"for calls 1-{calls}"
+    return (f"ds_paci: synchronous warm start: train_batch runs on the stock schedule (a drain every call) {until}, "
+            "then PACI's streams (\"sync_warmup_calls\": 0 turns it off)")
 
 
 def announce(engine):
@@ -130,10 +144,8 @@ def announce(engine):
         extra = [slack_count(engine._stream.slack, s) for s in range(engine.num_stages)]
         say(f"ds_paci: slack links {list(engine._stream.slack)}: stage s holds P - s + k_s micro-batches in flight, "
             f"k_s = {extra} (stage 0: {engine.num_stages + extra[0]} instead of {engine.num_stages})")
-    if engine.paci.sync_warmup_calls:
-        say(f"ds_paci: sync_warmup_calls = {engine.paci.sync_warmup_calls} ignored: sync mode runs the stock schedule "
-            "throughout" if engine._stock_step else f"ds_paci: synchronous warm start: train_batch calls 1-"
-            f"{engine.paci.sync_warmup_calls} run on the stock schedule (a drain every call), then PACI's streams")
+    if engine.paci.warm_start:
+        say(warm_start_line(engine.paci, engine._stock_step))
     if engine._step_phase == "diagonal":
         say("ds_paci: step phase diagonal (stage s steps after its c-th backward pass with c = s mod a, a partial first "
             f"window; phases {[s % a for s, a in enumerate(windows)]})")

@@ -48,7 +48,7 @@ class Candidate:
     window: object = "auto"  # the replay's window (see stage_windows); "uniform-max": max of auto's, every stage
     adaptive: object = None  # an AdaptiveWindows, or None
     sync_fraction: float = 0.0  # the first fraction of the calls run synchronously (stock's schedule), then PACI
-    sync_calls: int = 0  # or the first ``sync_calls`` calls (the larger of the two)
+    sync_calls: object = 0  # or the first ``sync_calls`` calls (the larger of the two); "auto": the engine's rule
 
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:

@@ -53,7 +53,8 @@ class CheckSpec:
     data_seed: int = 7
     step_phase: str = "aligned"
     slack_links: tuple = ()
-    sync_calls: int = 0  # paci.sync_warmup_calls (the replay's sync_calls)
+    sync_calls: object = 0  # paci.sync_warmup_calls (the replay's sync_calls): an int or "auto"
+    warm_ratio: float = 0.9  # paci.sync_warmup_loss_ratio of sync_calls "auto"
 
     def config(self):
         """The DeepSpeed config of the engine run (the benchmark's, :func:`ds_paci.tools.bench.runner.ds_config`)."""
@@ -68,8 +69,9 @@ class CheckSpec:
             config["paci"]["step_phase"] = self.step_phase
             if self.slack_links:
                 config["paci"]["slack_links"] = list(self.slack_links)
-            if self.sync_calls:
-                config["paci"]["sync_warmup_calls"] = self.sync_calls
+            config["paci"]["sync_warmup_calls"] = self.sync_calls  # always: "auto" windows default to "auto"
+            if self.sync_calls == "auto":
+                config["paci"]["sync_warmup_loss_ratio"] = self.warm_ratio
         return config
 
     def model_config(self):
@@ -178,9 +180,11 @@ def replay_run(spec: CheckSpec) -> dict:
     result = replay(model, spec.stages, spec.micro_batches, train_iter, val, spec.steps, mode=mode,
                     window=spec.window, lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0,
                     evaluation=Evaluation(every=spec.eval_every), step_phase=spec.step_phase,
-                    slack_links=spec.slack_links, sync_calls=spec.sync_calls)
+                    slack_links=spec.slack_links, sync_calls=spec.sync_calls,
+                    warm_ratio=spec.warm_ratio)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"call_losses": result.call_losses, "curve": result.curve, "weights": weights, "windows": result.windows}
+    return {"call_losses": result.call_losses, "curve": result.curve, "weights": weights, "windows": result.windows,
+            "warm_calls": result.warm_calls}
 
 
 def compare(engine: dict, replayed: dict) -> dict:

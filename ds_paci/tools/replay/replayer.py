@@ -56,6 +56,9 @@ from ds_paci.core.program.actions import Kind
 from ds_paci.core.program.interpreter import Handler, run_program
 from ds_paci.core.program.stream import PACIStream
 from ds_paci.core.program.stream import step_phase as phase_of
+from ds_paci.core.program.warm_end import DEFAULT_RATIO
+from ds_paci.core.engine.warm_start import label_histogram
+from .warm import WarmStart
 from ds_paci.workload.gpt2 import Block, lm_loss
 
 MODES = ("sync", "paci", "lookahead")
@@ -115,6 +118,7 @@ class ReplayResult:
     local_steps: list = field(default_factory=list)
     windows: list = field(default_factory=list)
     seconds: float = 0.0
+    warm_calls: int = 0
 
 
 def stage_slices(model: torch.nn.Sequential, stages: int) -> list:
@@ -273,6 +277,7 @@ class _Pipeline:
         self.autocast = autocast
         self.batches, self.outputs, self.inputs, self.grads = {}, {}, {}, {}
         self.total_loss, self.completed = None, 0
+        self.label_counts = None  # a list while an "auto" warm start counts the last stage's labels
 
     def _forward(self, s, m):
         P = len(self.stages)
@@ -284,6 +289,8 @@ class _Pipeline:
         if s < P - 1:
             return out
         loss = lm_loss(out, self.batches[m][1])
+        if self.label_counts is not None:
+            self.label_counts.append(label_histogram(self.batches[m][1]))
         self.total_loss = torch.zeros_like(loss) if self.total_loss is None else self.total_loss
         self.total_loss += loss.detach()  # as DeepSpeed's forward adds to total_loss
         self.completed += 1
@@ -371,32 +378,20 @@ def _adapt_windows(pipe, adaptive, low, high) -> list:
     return windows
 
 
-def _set_schedule(pipe, schedule, lr, scales):
-    """Put every stage of a drained ``pipe`` on sync mode's schedule (``schedule=None``: window ``M``, aligned, no
-    prediction) or on ``(mode, windows, step phase rule)``, through ``PACIStream.set_micro_batches`` as the engine's
-    warm start does (:mod:`ds_paci.core.engine.warm_start`); learning rates ``lr * scales[s]``."""
-    stages, micro_batches = len(pipe.stages), pipe.micro_batches
-    mode, windows, rule = schedule or ("sync", [micro_batches] * stages, "aligned")
-    pipe.mode = mode
-    for s, st in enumerate(pipe.stages):
-        st.window = windows[s]
-        st.stream.set_micro_batches(micro_batches, windows[s], phase_of(rule, s, windows[s]))
-        for opt in st.optimizers:
-            for group in opt.param_groups:
-                group["lr"] = lr * scales[s]
-
-
 def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="lookahead", window=None, lr=1e-3,
            betas=(0.9, 0.95), weight_decay=0.0, schedule="constant", warmup=20, cos_min_ratio=0.1, eval_every=100,
            restore=None, echo=None, optimizer="adamw", evaluation=None, lr_scales=None, device=None,
-           autocast=None, step_phase="aligned", candidate=None, slack_links=(), sync_calls=0) -> ReplayResult:
+           autocast=None, step_phase="aligned", candidate=None, slack_links=(), sync_calls=0,
+           warm_ratio=DEFAULT_RATIO) -> ReplayResult:
     """Train ``model`` (an ``nn.Sequential`` of GPT-2 layers) on PACI streams; returns a :class:`ReplayResult`.
 
     ``mode``: ``sync``, ``paci`` or ``lookahead``. ``window``: see :func:`stage_windows`. ``step_phase``: the
     engine's ``paci.step_phase`` (``"aligned"`` or ``"diagonal"``; sync mode is always aligned); ``slack_links``:
     the engine's ``paci.slack_links`` (sync mode has none). ``sync_calls``: the first ``sync_calls`` calls run
     as sync mode does (stock's schedule, a flush every call, no prediction, every stage at ``lr``), then
-    ``mode`` takes over from an empty pipeline (a synchronous warm start; 0: none).
+    ``mode`` takes over from an empty pipeline (a synchronous warm start; 0: none); ``"auto"``: until
+    :class:`~ds_paci.core.program.warm_end.WarmEnd` with ``warm_ratio`` ends it, as the engine's ``"auto"``
+    (``ReplayResult.warm_calls``: how many calls were synchronous).
     ``evaluation``: an :class:`Evaluation` (default: every ``eval_every`` steps, draining first, as the
     engine). ``lr_scales``: per-stage factors on ``lr`` (default 1). ``optimizer``: ``adamw`` or ``muon``.
     ``restore``: the look-ahead's restore mode (default: the engine's, ``PACIConfig.lookahead_restore``).
@@ -412,7 +407,7 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     restore = restore or PACIConfig().lookahead_restore  # the engine's default
     evaluation = evaluation or Evaluation(every=eval_every)
     slack = () if mode == "sync" else tuple(slack_links)
-    windows = stage_windows(window, stages, micro_batches, len(set(slack)), per_stage=sync_calls > 0)
+    windows = stage_windows(window, stages, micro_batches, len(set(slack)), per_stage=bool(sync_calls))
     scales = list(lr_scales) if lr_scales is not None else [1.0] * stages
     adaptive = candidate.adaptive if candidate is not None and mode == "lookahead" else None
     if adaptive is not None:
@@ -432,20 +427,16 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
     def evaluate():
         return validation_loss(model, val_batches, micro_batches, device, autocast)
 
-    if sync_calls and mode != "sync":
-        if scheduler is not None:
-            raise ValueError("sync_calls with a learning-rate schedule is not supported by the replay")
-        _set_schedule(pipe, None, lr, [1.0] * stages)
-
+    warm = WarmStart(pipe, sync_calls if mode != "sync" else 0, warm_ratio, lr, scheduler)
     curve, call_losses = [(0, evaluate())], []
     began = time.time()
     for step in range(1, steps + 1):
-        if sync_calls and mode != "sync" and step == sync_calls + 1:
-            _set_schedule(pipe, (mode, windows, rule), lr, scales)
+        warm.before(step, (mode, windows, rule), scales)
         pipe.advance()
         if pipe.mode == "sync":  # drain_every_batch: inside the call
             pipe.drain(close_window=True)  # a = M: nothing is left open anyway
         call_losses.append(pipe.call_loss())
+        warm.after(call_losses[-1])
         if adaptive is not None and step % adaptive.every == 0 and step < steps:
             windows = _adapt_windows(pipe, adaptive, low, high)
         validate = (evaluation.every and step % evaluation.every == 0) or step == steps
@@ -460,7 +451,7 @@ def replay(model, stages, micro_batches, train_iter, val_batches, steps, mode="l
                 echo(f"step {step}: validation loss {curve[-1][1]:.4f} ({time.time() - began:.0f} s)")
     return ReplayResult(curve=curve, lookahead=[st.stats() for st in pipe.stages], call_losses=call_losses,
                         local_steps=[st.local_steps for st in pipe.stages], windows=windows,
-                        seconds=time.time() - began)
+                        seconds=time.time() - began, warm_calls=warm.calls)
 
 
 def load_tokens(tokenizer_name: str, main_split: bool):

@@ -136,7 +136,7 @@ CANDIDATES = {
 for _name, _share, _calls, _window in (("sync10-auto", 0.1, 0, "auto"), ("sync10-uniform", 0.1, 0, "uniform-max"),
                                        ("sync20-auto", 0.2, 0, "auto"), ("sync48c-auto", 0.0, 48, "auto"),
                                        ("sync48c-uniform", 0.0, 48, "uniform-max"),
-                                       ("sync100c-auto", 0.0, 100, "auto")):
+                                       ("sync100c-auto", 0.0, 100, "auto"), ("syncauto-auto", 0.0, "auto", "auto")):
     CANDIDATES[_name] = Candidate(_name, window=_window, sync_fraction=_share, sync_calls=_calls)
 
 
@@ -169,12 +169,12 @@ def run_one(cell: Cell, name: str, steps: int) -> dict:
                     lr=cell.lr, betas=(0.9, 0.999), weight_decay=0.0,
                     evaluation=Evaluation(every=cell.eval_every, drains=cell.drains), restore=cell.restore,
                     candidate=candidate,
-                    sync_calls=0 if candidate is None else
+                    sync_calls=0 if candidate is None else candidate.sync_calls if candidate.sync_calls == "auto" else
                     min(steps, max(candidate.sync_calls, round(candidate.sync_fraction * steps))))
     errors = [s.get("prediction_error") if isinstance(s, dict) else None for s in result.lookahead]
     return {"candidate": name, "cell": dict(cell.__dict__), "steps": steps, "curve": result.curve,
             "final": result.curve[-1][1], "local_steps": result.local_steps, "windows": result.windows,
-            "prediction_error": errors, "seconds": round(result.seconds, 1),
+            "prediction_error": errors, "warm_calls": result.warm_calls, "seconds": round(result.seconds, 1),
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 

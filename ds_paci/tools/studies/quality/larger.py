@@ -31,7 +31,7 @@ class Run(NamedTuple):
     window: object  # stage_windows' argument: None (a = M) or "auto" (ds_paci.core.config.auto_window, as today)
     stages: int = STAGES
     micro_batches: int = MICRO_BATCHES
-    sync_calls: int = 0  # the replay's sync_calls: a synchronous warm start of that many calls (issue 30)
+    sync_calls: object = 0  # the replay's sync_calls: a synchronous warm start of that many calls, or "auto" (issue 30)
 
 
 #: The P = 4 rows keep their first names (their stored lines in larger.jsonl have no shape fields); issue 30's
@@ -44,7 +44,9 @@ RUNS = (Run("stock", "sync", None), Run("paci+lookahead a=M", "lookahead", None)
         Run("P=4 M=2 stock", "sync", None, 4, 2), Run("P=4 M=2 paci+lookahead auto", "lookahead", "auto", 4, 2),
         Run("P=4 M=2 paci+lookahead auto sync100", "lookahead", "auto", 4, 2, sync_calls=100),
         Run("P=4 M=2 paci+lookahead a=3 sync100", "lookahead", 3, 4, 2, sync_calls=100),
-        Run("P=4 M=2 paci+lookahead auto sync200", "lookahead", "auto", 4, 2, sync_calls=200))
+        Run("P=4 M=2 paci+lookahead auto sync200", "lookahead", "auto", 4, 2, sync_calls=200),
+        Run("paci+lookahead auto syncauto", "lookahead", "auto", sync_calls="auto"),
+        Run("P=4 M=2 paci+lookahead auto syncauto", "lookahead", "auto", 4, 2, sync_calls="auto"))
 
 
 def shapes() -> list:
@@ -90,9 +92,9 @@ def run_one(run: Run, echo=None) -> dict:
                     window=run.window, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, evaluation=Evaluation(every=EVERY),
                     echo=echo, sync_calls=run.sync_calls)
     return {"name": run.name, "mode": run.mode, "stages": run.stages, "micro_batches": run.micro_batches,
-            "windows": stage_windows(run.window, run.stages, run.micro_batches, per_stage=run.sync_calls > 0),
+            "windows": stage_windows(run.window, run.stages, run.micro_batches, per_stage=bool(run.sync_calls)),
             "steps": steps,
-            "sync_calls": run.sync_calls,
+            "sync_calls": run.sync_calls, "warm_calls": result.warm_calls,
             "curve": result.curve, "lookahead": result.lookahead, "seconds": round(result.seconds, 1),
             "loadavg": list(os.getloadavg())}
 
@@ -157,7 +159,7 @@ def shape_table(done: dict, stages: int, micro_batches: int, out: str | None = N
             reach_s = t = speed = "-"
         else:
             full = micro_batches + stages - 1  # a call with the bubble: stock's, and a warm start's
-            warm = reach if run.mode == "sync" else min(reach, row.get("sync_calls", 0))
+            warm = reach if run.mode == "sync" else min(reach, row.get("warm_calls", row.get("sync_calls", 0)))
             slots = warm * full + (reach - warm) * micro_batches
             reach_s = f"{reach:.0f}"
             t = f"{slots:.0f} micro-batch slots"
