@@ -162,38 +162,47 @@ def test_todays_auto_is_the_old_per_stage_rule_wherever_m_is_at_least_p_minus_1(
     assert changed[(8, 4)] == [1, 2, 3, 4, 5, 6, 7]
 
 
-def test_default_cells_read_the_run_with_todays_windows_and_list_the_missing_ones(tmp_path):
+def test_default_cells_read_the_warm_started_runs_and_list_the_missing_ones(tmp_path):
     from ds_paci.tools.studies.quality import default
     pair1, pair2 = grid.SEEDS
     finals = {}
     for pair, s in ((pair1, 2.0), (pair2, 2.2)):
         finals[grid.make_run(8, 4, "stock", None, 3e-3, pair).key()] = s
-    # seed 1: today's windows (7 everywhere), trained past the common steps; a decoy with the old per-stage windows
+    # the default before the warm start (7 everywhere), trained past the common steps; a decoy with other windows
     finals[grid.make_run(8, 4, "lookahead", [7] * 8, 3e-3, pair1, overrun=True).key()] = 2.04
-    finals[grid.make_run(8, 4, "lookahead", default.old_auto_windows(8, 4), 3e-3, pair1).key()] = 1.0
     finals[grid.make_run(8, 4, "lookahead", default.old_auto_windows(8, 4), 3e-3, pair2).key()] = 1.0
     results = _fake_results(finals)
-    cell = next(c for c in default.default_cells(results) if (c["stages"], c["micro_batches"], c["lr"]) == (8, 4, 3e-3))
-    assert cell["windows"] == [7] * 8 and cell["default"] == [2.04, None] and cell["vs_stock"] is None
-    assert cell["old_per_seed"] == pytest.approx([1.0 / 2.0 - 1, 1.0 / 2.2 - 1])  # the rule before, same cell
-    assert (8, 4, 3e-3, pair2[0], [7] * 8) in default.missing_runs([cell])
-    # the candidates study's plain look-ahead in the sweep's configuration fills the second seed; one that
-    # validates after a drain (not the sweep's configuration) and a modified candidate do not count
+    windows = default.default_windows(8, 4)
+    assert windows == [7, 6, 5, 4, 4, 4, 4, 4]  # per stage after the warm start, as the engine's "auto"
+    # the candidates study's warm-started runs in the sweep's configuration are the default; one that validates
+    # after a drain (not the sweep's configuration) and a modified candidate do not count
     sweep_cell = {"stages": 8, "micro_batches": 4, "lr": 3e-3, "steps": 240, "n_embd": 32, "n_head": 4, "seq_len": 32,
-                  "micro_batch_size": 2, "val_micro_batches": 32, "seed": pair2[0], "data_seed": pair2[1],
+                  "micro_batch_size": 2, "val_micro_batches": 32, "seed": pair1[0], "data_seed": pair1[1],
                   "eval_every": 24, "drains": False, "restore": "recompute"}
-    for name, cell_dict, final in (("uniform-max", sweep_cell, 2.222), ("ef", sweep_cell, 0.5),
-                                   ("uniform-max", {**sweep_cell, "drains": True, "lr": 1e-3}, 0.5)):
-        path = tmp_path / ("a" if final != 0.5 or name == "ef" else "b") / f"{name}.json"
+    for folder, name, cell_dict, final in (("a", "syncauto-auto", sweep_cell, 2.01), ("a", "ef", sweep_cell, 0.5),
+                                           ("b", "syncauto-auto", {**sweep_cell, "drains": True}, 0.5)):
+        path = tmp_path / folder / f"{name}.json"
         path.parent.mkdir(exist_ok=True)
-        path.write_text(json.dumps({"cell": cell_dict, "steps": 240, "windows": [7] * 8, "final": final}))
+        path.write_text(json.dumps({"cell": cell_dict, "steps": 240, "windows": windows, "final": final,
+                                    "warm_calls": 60}))
     candidates = default.candidate_runs(str(tmp_path))
     assert len(candidates) == 1
-    cell = next(c for c in default.default_cells(results, candidates=candidates)
-                if (c["stages"], c["micro_batches"], c["lr"]) == (8, 4, 3e-3))
-    assert cell["default"] == [2.04, 2.222] and cell["sources"][0] == "runs.jsonl" and "uniform-max" in cell["sources"][1]
-    assert cell["vs_stock"] == pytest.approx((2.04 + 2.222) / (2.0 + 2.2) - 1)
-    assert cell["per_seed"] == pytest.approx([0.02, 0.01])
+
+    def cell_of(candidates):
+        return next(c for c in default.default_cells(results, candidates=candidates)
+                    if (c["stages"], c["micro_batches"], c["lr"]) == (8, 4, 3e-3))
+    cell = cell_of(candidates)
+    assert cell["windows"] == windows and cell["default"] == [2.01, None] and cell["vs_stock"] is None
+    assert cell["warm_calls"] == [60, None] and cell["per_seed"][0] == pytest.approx(0.005)
+    assert cell["old_per_seed"] == [pytest.approx(0.02), None]  # the uniform window before, where stored
+    assert (8, 4, 3e-3, pair2[0], windows) in default.missing_runs([cell])
+    path = tmp_path / "c" / "syncauto-auto.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"cell": {**sweep_cell, "seed": pair2[0], "data_seed": pair2[1]}, "steps": 240,
+                                "windows": windows, "final": 2.2, "warm_calls": 240}))
+    cell = cell_of(default.candidate_runs(str(tmp_path)))
+    assert cell["vs_stock"] == pytest.approx((2.01 + 2.2) / (2.0 + 2.2) - 1) and cell["warm_calls"] == [60, 240]
+    assert not default.missing_runs([cell])
 
 
 def test_larger_p8_rows_run_todays_auto_and_a_run_in_progress_shows_its_curve_so_far(tmp_path):
@@ -202,7 +211,7 @@ def test_larger_p8_rows_run_todays_auto_and_a_run_in_progress_shows_its_curve_so
     from ds_paci.tools.studies.quality import larger
     names = [r.name for r in larger.RUNS]
     assert len(names) == len(set(names)) and names[:3] == ["stock", "paci+lookahead a=M", "paci+lookahead auto"]
-    assert larger.shapes() == [(4, 4), (8, 4), (8, 8), (4, 2)]
+    assert larger.shapes() == [(4, 4, 16), (8, 4, 16), (8, 8, 16), (4, 2, 16), (4, 4, 128)]
     for run in larger.RUNS:
         if run.window == "auto":
             warm = bool(run.sync_calls)

@@ -225,3 +225,11 @@ def test_the_start_up_line_says_how_long_the_warm_start_lasts_and_how_to_turn_it
     assert '"sync_warmup_calls": 0 turns it off' in auto
     assert "for calls 1-40" in warm_start_line(parse_paci_section({"sync_warmup_calls": 40}), stock=False)
     assert "ignored: sync mode" in warm_start_line(parse_paci_section({"sync_warmup_calls": 40}), stock=True)
+
+
+@pytest.mark.process
+def test_data_parallel_replicas_end_an_auto_warm_start_after_the_same_call(tmp_path):
+    results = run_world(warmup_workers.auto_two_replicas, 4, str(tmp_path), timeout=300)
+    switches = {(r["dp"], i): [c["window"] for c in r["calls"]].index(3) for i, r in enumerate(results)}
+    assert len(set(switches.values())) == 1, switches  # all four ranks: the same call
+    assert 0 < next(iter(switches.values())) < warmup_workers.AUTO_CALLS, switches

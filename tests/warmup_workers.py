@@ -89,3 +89,16 @@ def auto_two_ranks(rank, root):
     engine = rw.build(2, 2, {"accumulation_window": 3, "sync_warmup_calls": "auto"})
     out["unjudged"] = rw.finish(engine, window_of_each_call(engine, rw.Data(nan_at=()), 3))
     return out
+
+
+def auto_two_replicas(rank, root):
+    """P = 2 with two data-parallel replicas fed different micro-batches, ``"auto"``: per call, the window after it
+    (every rank must switch after the same call, whatever its own replica's labels say)."""
+    from mlp import classification_batches
+    engine = build_classifier(AUTO_PACI)
+    data = ClassData()
+    gen = classification_batches(rw.MICRO, seed=3 + 10 * engine.grid.data_parallel_id)
+    data.batches = [next(gen) for _ in range(2 * AUTO_CALLS)]
+    out = {"calls": window_of_each_call(engine, data, AUTO_CALLS), "dp": engine.grid.data_parallel_id}
+    engine.destroy()
+    return out

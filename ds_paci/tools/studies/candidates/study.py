@@ -78,9 +78,9 @@ def _held(seeds=(1234, 7)):
     return Cell(8, 4, 2e-3, 300, 48, 4, 64, 4, 16, seeds[0], seeds[1], 50, True, "copy", blocks_per_stage=2)
 
 
-def _sweep(P, seeds=(1234, 7), lr=3e-3):
+def _sweep(P, seeds=(1234, 7), lr=3e-3, M=None):
     from ds_paci.tools.studies.quality.grid import MODEL, STEPS
-    return Cell(P, P // 2, lr, STEPS[P], MODEL.n_embd, MODEL.n_head, MODEL.seq_len, MODEL.micro_batch_size,
+    return Cell(P, M or P // 2, lr, STEPS[P], MODEL.n_embd, MODEL.n_head, MODEL.seq_len, MODEL.micro_batch_size,
                 MODEL.val_micro_batches, seeds[0], seeds[1], STEPS[P] // 10, False, "recompute")
 
 
@@ -109,6 +109,14 @@ for _tag in ("", "-s2"):
 for _tag in ("", "-s2"):
     CELLS[f"sweep-P32M16{_tag}"] = (lambda seeds: lambda: _sweep(32, seeds))(SEEDS[_tag])
     CELLS[f"sweep-P32M16-lr1e-3{_tag}"] = (lambda seeds: lambda: _sweep(32, seeds, 1e-3))(SEEDS[_tag])
+# The sweep's M = P and M = 2P cells (issue 30: the default's "auto" warm start must hold there too), both
+# learning rates and the sweep's two seeds
+for _P in (4, 8, 16, 32):
+    for _M in (_P, 2 * _P):
+        for _lr, _lrtag in ((3e-3, ""), (1e-3, "-lr1e-3")):
+            for _tag in ("", "-s2"):
+                CELLS[f"sweep-P{_P}M{_M}{_lrtag}{_tag}"] = (lambda P, M, lr, seeds: lambda: _sweep(P, seeds, lr, M))(
+                    _P, _M, _lr, SEEDS[_tag])
 for _tag, _seeds in SEEDS.items():
     CELLS[f"held-w48x2{_tag}"] = (lambda seeds: lambda: _held(seeds))(_seeds)
 

@@ -1,17 +1,6 @@
-"""Today's default window in every sweep cell, from the stored runs (issue 30, Deliver 2): no new run.
+"""Today's default in every sweep cell: ``"accumulation_window": "auto"`` with its ``"auto"`` warm start (issue 30).
 
-The engine's ``"accumulation_window": "auto"`` is one window ``max(P-1, ceil(M/3))`` on every stage
-(:func:`ds_paci.core.config.auto_window`) since issue 30; the sweep's ``"auto"`` rows ran the per-stage rule before
-it, ``a_s = max(min(M, P-1), P-1-s, ceil(M/3))`` (:func:`old_auto_windows`). Every stored PACI + look-ahead run is
-keyed by its resolved per-stage windows (:class:`~ds_paci.tools.studies.quality.grid.SweepRun`), so a cell is
-compared with today's rule by looking up the run whose windows equal today's (:func:`default_cells`; a run trained
-past the common step count counts, its final loss is read at the common step). :func:`window_changes` lists, stage by
-stage, where the two rules differ. Where the sweep has no such run, the candidates study
-(``docs/results/quality-candidates``, :mod:`ds_paci.tools.studies.candidates`) may: its ``uniform-max`` runs of the
-sweep's M = P/2 cells are the plain look-ahead with today's windows in the sweep's configuration
-(:func:`candidate_runs`, which checks every field; the study's runs that the sweep also stored agree with it to the
-figure :func:`agreement` gives, not bit for bit). Cells with neither are listed (:func:`missing_runs`): those need a
-real run.
+The engine's default ``"auto"`` (:func:`ds_paci.core.config.auto_window`) runs a synchronous warm start until the mean loss of the last 8 calls is below 0.9 x the labels' unigram entropy (:mod:`ds_paci.core.program.warm_end`), then the look-ahead with one window ``max(P-1, ceil(M/3))``, per stage where ``M < P-1`` (``a_s = max(min(M, P-1), P-1-s, ceil(M/3))``). The sweep (``runs.jsonl``) has no such run: they are the candidates study's ``syncauto-auto`` runs of the sweep's cells (``docs/results/quality-candidates``, :mod:`ds_paci.tools.studies.candidates`; :func:`candidate_runs` checks that every field is the sweep's configuration), against the sweep's stock runs (the candidates study's stock runs that the sweep also stored agree with it to the figure :func:`agreement` gives, not bit for bit). The default before this change (the same windows without a warm start: one window ``P-1`` everywhere) is shown per seed where stored, from the sweep or the candidates' ``uniform-max`` runs. Cells without a run are listed (:func:`missing_runs`).
 
 ``python -m ds_paci.tools.studies.quality --part default --out docs/results/quality [--candidates
 docs/results/quality-candidates]`` writes ``<out>/default.md``.
@@ -28,7 +17,7 @@ from .grid import DEPTHS, EVALS_PER_RUN, MODEL, SEEDS, STEPS, auto_windows, cell
 
 CANDIDATES_DIR = "docs/results/quality-candidates"
 #: The candidates that are the plain engine (no prediction or learning-rate change): name -> engine of the sweep.
-PLAIN = {"stock": "stock", "uniform-max": "lookahead"}
+PLAIN = {"stock": "stock", "uniform-max": "lookahead", "syncauto-auto": "lookahead+warm"}
 WITHIN = (0.01, 0.02)  # the issue's bounds: every cell within 1%, the M = P/2 cells at stock's best lr within 2%
 
 
@@ -84,7 +73,8 @@ def candidate_runs(directory: str = CANDIDATES_DIR) -> dict:
             continue
         key = (cell["stages"], cell["micro_batches"], PLAIN[name], tuple(row["windows"]), float(cell["lr"]),
                cell["seed"], cell["data_seed"])
-        out[key] = {"final": row["final"], "source": os.path.relpath(path, os.path.dirname(directory) or ".")}
+        out[key] = {"final": row["final"], "source": os.path.relpath(path, os.path.dirname(directory) or "."),
+                    "warm_calls": row.get("warm_calls")}
     return out
 
 
@@ -94,17 +84,24 @@ def agreement(results: dict, candidates: dict) -> dict:
     from .report import _find
     gaps = []
     for (P, M, engine, windows, lr, seed, data_seed), row in candidates.items():
+        if engine not in ("stock", "lookahead"):
+            continue
         mine = _find(results, P, M, engine, list(windows), lr, (seed, data_seed))
         if mine is not None:
             gaps.append(abs(_rel(row["final"], mine["final"])))
     return {"runs": len(gaps), "max_gap": max(gaps) if gaps else None}
 
 
+def default_windows(stages: int, micro_batches: int) -> list:
+    """The default's windows after its warm start: ``"auto"`` per stage (:func:`ds_paci.core.config.auto_window`)."""
+    from ds_paci.core.config import auto_window
+    return [auto_window(stages, micro_batches, s, per_stage=True) for s in range(stages)]
+
+
 def default_cells(results: dict, depths=DEPTHS, candidates=None) -> list:
-    """One dict per sweep cell (P, M, lr): per seed stock's final loss and the final loss of the stored look-ahead
-    run with today's windows (``None``: not stored; from ``candidates`` of :func:`candidate_runs` where the sweep
-    has none, its ``sources`` entry then names the file), the two seeds' mean of each (both present only), and per
-    seed the stored run of the rule before issue 30 against stock (``old_per_seed``)."""
+    """One dict per sweep cell (P, M, lr): per seed stock's final loss (the sweep's) and the default's (the
+    candidates study's ``syncauto-auto``, ``None``: not run), its warm calls, the two seeds' mean against stock's
+    (both present only), and per seed the default before the warm start (one window ``P-1``) against stock."""
     from .report import _find
     candidates = candidates or {}
     cells = []
@@ -114,28 +111,25 @@ def default_cells(results: dict, depths=DEPTHS, candidates=None) -> list:
             continue
         for lr in lrs:
             for m in micro_batch_counts(stages):
-                windows = auto_windows(stages, m)
-                stock, default, sources, old = [], [], [], []
+                windows, before = default_windows(stages, m), auto_windows(stages, m)
+                stock, default, warm, old = [], [], [], []
                 for pair in SEEDS:
                     s = _find(results, stages, m, "stock", None, lr, pair)
-                    d = _find(results, stages, m, "lookahead", windows, lr, pair)
-                    source = None if d is None else "runs.jsonl"
-                    if d is None:
-                        d = candidates.get((stages, m, "lookahead", tuple(windows), float(lr)) + tuple(pair))
-                        source = None if d is None else d["source"]
-                    o = _find(results, stages, m, "lookahead", old_auto_windows(stages, m), lr, pair)
+                    d = candidates.get((stages, m, "lookahead+warm", tuple(windows), float(lr)) + tuple(pair))
+                    o = _find(results, stages, m, "lookahead", before, lr, pair) or candidates.get(
+                        (stages, m, "lookahead", tuple(before), float(lr)) + tuple(pair))
                     stock.append(None if s is None else s["final"])
                     default.append(None if d is None else d["final"])
-                    sources.append(source)
+                    warm.append(None if d is None else d.get("warm_calls"))
                     old.append(None if o is None or s is None else _rel(o["final"], s["final"]))
                 both = all(v is not None for v in stock + default)
                 mean_vs = _rel(statistics.mean(default), statistics.mean(stock)) if both else None
                 cells.append({"stages": stages, "micro_batches": m, "lr": lr, "best_lr": lr == lrs[0],
-                              "windows": windows, "stock": stock, "default": default, "sources": sources,
+                              "windows": windows, "stock": stock, "default": default, "warm_calls": warm,
+                              "steps": STEPS[stages],
                               "per_seed": [None if d is None or s is None else _rel(d, s)
                                            for d, s in zip(default, stock)],
-                              "vs_stock": mean_vs, "old_windows": old_auto_windows(stages, m),
-                              "old_per_seed": old})
+                              "vs_stock": mean_vs, "old_per_seed": old})
     return cells
 
 
@@ -166,37 +160,28 @@ def write_report(out: str, candidates_dir: str = CANDIDATES_DIR) -> str:
     agree = agreement(results, candidates)
     cells = default_cells(results, candidates=candidates)
     gap = "-" if agree["max_gap"] is None else f"{100 * agree['max_gap']:.3f}%"
-    changes = window_changes()
     seeds = " / ".join(str(s) for s, _ in SEEDS)
-    lines = ["# Today's default window in every sweep cell (stored runs)", "", __doc__.split("\n\n")[1]
+    lines = ["# Today's default in every sweep cell: `\"auto\"` with its warm start", "", __doc__.split("\n\n")[1]
              .replace("\n", " "), "",
-             "## Which windows changed", "",
-             "| P | M | per-stage rule before issue 30 | today's `\"auto\"` | stages that differ |",
-             "|---:|---:|---|---|---|"]
-    for c in changes:
-        lines.append(f"| {c['stages']} | {c['micro_batches']} | {window_label(c['old'])} | {window_label(c['new'])} "
-                     f"| {'none' if not c['differ'] else ','.join(map(str, c['differ']))} |")
-    lines += ["", "## Every cell", "",
-              f"Final losses at the common step count, seeds {seeds}; \"vs stock\" is the mean over both seeds of "
-              "today's default against stock's mean (both seeds stored only), \"per seed\" each seed's own. "
-              "\"best lr\": stock's best learning rate of the depth. (c): the run is the candidates study's "
-              f"(`{candidates_dir}/<cell>/uniform-max.json`, the sweep's configuration; of its {agree['runs']} runs "
-              "the sweep also stored, the largest gap in final loss is "
-              f"{gap}).", "",
-              "The last column: the per-stage rule before issue 30 in the same cell, per seed, where its windows differ.", "",
-              "| P | M | lr | windows | stock | today's default | per seed | vs stock (both seeds) | within 1% "
-              "| within 2% | before issue 30, per seed |", "|---:|---:|---:|---|---|---|---|---:|---|---|---|"]
+             f"Final losses at the common step count, seeds {seeds}; \"vs stock\" is the mean over both seeds of the "
+             "default against stock's mean (both seeds stored only), \"per seed\" each seed's own. \"best lr\": stock's "
+             "best learning rate of the depth. \"warm calls\": the calls the warm start lasted, per seed, of the run's "
+             f"calls (all of them: it never ended, and the run is stock's). Of the candidates study's {agree['runs']} "
+             f"stock and plain look-ahead runs that the sweep also stored, the largest gap in final loss is {gap}.", "",
+             "| P | M | lr | windows after the warm start | stock | default | warm calls | per seed | vs stock (both "
+             "seeds) | within 1% | within 2% | before (no warm start), per seed |",
+             "|---:|---:|---:|---|---|---|---|---|---:|---|---|---|"]
     for c in cells:
         lr = f"{c['lr']:g}" + (" (best)" if c["best_lr"] else "")
+        warm = " / ".join("-" if w is None else str(w) for w in c["warm_calls"]) + f" of {c['steps']}"
         lines.append(f"| {c['stages']} | {c['micro_batches']} | {lr} | {window_label(c['windows'])} | "
-                     f"{' / '.join(map(_loss, c['stock']))} | {' / '.join(map(_loss, c['default'], c['sources']))} | "
-                     f"{' / '.join(map(_pct, c['per_seed']))} | {_pct(c['vs_stock'])} | "
+                     f"{' / '.join(map(_loss, c['stock']))} | {' / '.join(_loss(d, 'c') for d in c['default'])} | "
+                     f"{warm} | {' / '.join(map(_pct, c['per_seed']))} | {_pct(c['vs_stock'])} | "
                      f"{_yes(c['vs_stock'], WITHIN[0])} | {_yes(c['vs_stock'], WITHIN[1])} | "
-                     + ("same windows" if c["old_windows"] == c["windows"] else ' / '.join(map(_pct, c['old_per_seed'])))
-                     + " |")
+                     f"{' / '.join(map(_pct, c['old_per_seed']))} |")
     missing = missing_runs(cells)
-    lines += ["", f"## Runs not stored ({len(missing)}): these cells need a real run", ""]
-    lines += [f"- P = {p}, M = {m}, lr {lr:g}, seed {seed}: PACI + look-ahead with windows {window_label(w)}"
+    lines += ["", f"## Runs not made ({len(missing)})", ""]
+    lines += [f"- P = {p}, M = {m}, lr {lr:g}, seed {seed}: the default (`syncauto-auto`), windows {window_label(w)}"
               for p, m, lr, seed, w in missing] or ["(none)"]
     over = [c for c in cells if c["vs_stock"] is not None and c["vs_stock"] > WITHIN[0]]
     half = [c for c in cells if c["best_lr"] and 2 * c["micro_batches"] == c["stages"]]

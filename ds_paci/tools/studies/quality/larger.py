@@ -32,6 +32,7 @@ class Run(NamedTuple):
     stages: int = STAGES
     micro_batches: int = MICRO_BATCHES
     sync_calls: object = 0  # the replay's sync_calls: a synchronous warm start of that many calls, or "auto" (issue 30)
+    val: int = VAL_MICRO_BATCHES  # validation micro-batches (128: a loss precise enough to judge 1%)
 
 
 #: The P = 4 rows keep their first names (their stored lines in larger.jsonl have no shape fields); issue 30's
@@ -46,16 +47,21 @@ RUNS = (Run("stock", "sync", None), Run("paci+lookahead a=M", "lookahead", None)
         Run("P=4 M=2 paci+lookahead a=3 sync100", "lookahead", 3, 4, 2, sync_calls=100),
         Run("P=4 M=2 paci+lookahead auto sync200", "lookahead", "auto", 4, 2, sync_calls=200),
         Run("paci+lookahead auto syncauto", "lookahead", "auto", sync_calls="auto"),
-        Run("P=4 M=2 paci+lookahead auto syncauto", "lookahead", "auto", 4, 2, sync_calls="auto"))
+        Run("P=4 M=2 paci+lookahead auto syncauto", "lookahead", "auto", 4, 2, sync_calls="auto"),
+        # the same P = 4, M = 4 runs validated on 128 micro-batches (16 leave about 1% of noise at one step)
+        Run("stock val128", "sync", None, val=128),
+        Run("paci+lookahead auto syncauto val128", "lookahead", "auto", sync_calls="auto", val=128),
+        Run("paci+lookahead auto val128", "lookahead", "auto", sync_calls=0, val=128))
 
 
 def shapes() -> list:
-    """The (P, M) shapes of :data:`RUNS`, in order."""
-    return list(dict.fromkeys((r.stages, r.micro_batches) for r in RUNS))
+    """The (P, M, validation micro-batches) of :data:`RUNS`, in order."""
+    return list(dict.fromkeys((r.stages, r.micro_batches, r.val) for r in RUNS))
 
 
-def stock_of(stages: int, micro_batches: int) -> Run:
-    return next(r for r in RUNS if r.mode == "sync" and (r.stages, r.micro_batches) == (stages, micro_batches))
+def stock_of(stages: int, micro_batches: int, val: int = VAL_MICRO_BATCHES) -> Run:
+    return next(r for r in RUNS if r.mode == "sync" and (r.stages, r.micro_batches, r.val) == (stages, micro_batches,
+                                                                                              val))
 
 
 def log_path(out: str, name: str) -> str:
@@ -88,13 +94,13 @@ def run_one(run: Run, echo=None) -> dict:
     steps = STEPS if run.mode == "sync" else math.ceil(OVERRUN * STEPS)
     result = replay(model, run.stages, run.micro_batches, MicroBatchIterator(train, MICRO_BATCH_SIZE, SEQ_LEN,
                                                                              seed=DATA_SEED),
-                    eval_micro_batches(val, MICRO_BATCH_SIZE, SEQ_LEN, count=VAL_MICRO_BATCHES), steps, mode=run.mode,
+                    eval_micro_batches(val, MICRO_BATCH_SIZE, SEQ_LEN, count=run.val), steps, mode=run.mode,
                     window=run.window, lr=LR, betas=(0.9, 0.999), weight_decay=0.0, evaluation=Evaluation(every=EVERY),
                     echo=echo, sync_calls=run.sync_calls)
     return {"name": run.name, "mode": run.mode, "stages": run.stages, "micro_batches": run.micro_batches,
             "windows": stage_windows(run.window, run.stages, run.micro_batches, per_stage=bool(run.sync_calls)),
             "steps": steps,
-            "sync_calls": run.sync_calls, "warm_calls": result.warm_calls,
+            "sync_calls": run.sync_calls, "warm_calls": result.warm_calls, "val": run.val,
             "curve": result.curve, "lookahead": result.lookahead, "seconds": round(result.seconds, 1),
             "loadavg": list(os.getloadavg())}
 
@@ -129,12 +135,12 @@ def _vs(loss: float, ref: float) -> str:
     return f"{(loss - ref) / ref:+.2%}"
 
 
-def shape_table(done: dict, stages: int, micro_batches: int, out: str | None = None) -> list:
+def shape_table(done: dict, stages: int, micro_batches: int, out: str | None = None, val: int = VAL_MICRO_BATCHES) -> list:
     """Markdown lines of one shape's table: every run of the shape, a pending one with its curve so far (from
     its log under ``out``) labelled partial."""
     from .report import steps_to
-    runs = [r for r in RUNS if (r.stages, r.micro_batches) == (stages, micro_batches)]
-    stock = done.get(stock_of(stages, micro_batches).name)
+    runs = [r for r in RUNS if (r.stages, r.micro_batches, r.val) == (stages, micro_batches, val)]
+    stock = done.get(stock_of(stages, micro_batches, val).name)
     final = None if stock is None else stock["curve"][-1][1]
     lines = ["| run | windows | loss at step 1000 | vs stock | steps to stock's final loss | time to it (ideal bubble) "
              "| speedup | wall s |", "|---|---|---|---|---|---|---|---|"]
@@ -177,15 +183,17 @@ def write_report(out: str) -> str:
              f"micro-batches of {MICRO_BATCH_SIZE}, AdamW lr {LR:g} (constant), betas (0.9, 0.999), validation on "
              f"{VAL_MICRO_BATCHES} micro-batches every {EVERY} steps; {N_LAYER // STAGES} blocks per stage at P = "
              f"{STAGES}, one at P = {N_LAYER}.", ""]
-    for stages, micro_batches in shapes():
-        lines += [f"## P = {stages}, M = {micro_batches}", ""] + shape_table(done, stages, micro_batches, out) + [""]
+    for stages, micro_batches, val in shapes():
+        more = "" if val == VAL_MICRO_BATCHES else f", validation on {val} micro-batches"
+        lines += [f"## P = {stages}, M = {micro_batches}{more}", ""] + shape_table(done, stages, micro_batches, out,
+                                                                                 val) + [""]
     partial = {r.name: partial_curve(log_path(out, r.name)) for r in RUNS if r.name not in done}
     curves = {**{n: row["curve"] for n, row in done.items()}, **{f"{n} (partial)": c for n, c in partial.items() if c}}
-    for stages, micro_batches in shapes():
-        names = {r.name for r in RUNS if (r.stages, r.micro_batches) == (stages, micro_batches)}
+    for stages, micro_batches, val in shapes():
+        names = {r.name for r in RUNS if (r.stages, r.micro_batches, r.val) == (stages, micro_batches, val)}
         mine = {n: c for n, c in curves.items() if n.replace(" (partial)", "") in names}
         if mine:
-            png = _plot(mine, os.path.join(out, _png_name(stages, micro_batches)), stages, micro_batches)
+            png = _plot(mine, os.path.join(out, _png_name(stages, micro_batches, val)), stages, micro_batches)
             lines += [f"![curves, P = {stages}, M = {micro_batches}]({os.path.basename(png)})", ""]
     markdown = "\n".join(lines)
     with open(os.path.join(out, "larger.md"), "w") as f:
@@ -193,8 +201,11 @@ def write_report(out: str) -> str:
     return markdown
 
 
-def _png_name(stages: int, micro_batches: int) -> str:
-    return "larger.png" if (stages, micro_batches) == (STAGES, MICRO_BATCHES) else f"larger_P{stages}_M{micro_batches}.png"
+def _png_name(stages: int, micro_batches: int, val: int = VAL_MICRO_BATCHES) -> str:
+    tail = "" if val == VAL_MICRO_BATCHES else f"_val{val}"
+    if (stages, micro_batches, tail) == (STAGES, MICRO_BATCHES, ""):
+        return "larger.png"
+    return f"larger_P{stages}_M{micro_batches}{tail}.png"
 
 
 def _plot(curves: dict, path: str, stages: int, micro_batches: int) -> str:
