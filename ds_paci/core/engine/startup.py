@@ -101,11 +101,12 @@ def startup_lines(paci, stages, micro_batches, windows, lookahead, clipping, dee
              f"{look}; gradient clipping {clipping}; {deepspeed_text}"]
     over = [s for s, b in enumerate(bounds) if b > 1]
     if over and lookahead is True and not sync:
-        auto = [auto_window(stages, micro_batches, None if tied else s, len(paci.slack_links),
-                            paci.warm_start) for s in range(stages)]
+        auto = [auto_window(stages, micro_batches, None if tied else s, len(paci.slack_links), True)
+                for s in range(stages)]  # "auto" comes with its warm start (config: sync_warmup_calls)
         lines.append(f"ds_paci: advice: drift bound {[bounds[s] for s in over]} > 1 on stage(s) {over}: forwards there "
                      f"cross up to that many local steps, while the look-ahead predicts one; \"accumulation_window\": "
-                     f"\"auto\" would choose windows {auto} (drift bound <= 1 on every stage)")
+                     f"\"auto\" would choose windows {auto} after its synchronous warm start (drift bound <= 1 on every "
+                     "stage)")
     return lines
 
 
