@@ -1,6 +1,15 @@
 """Today's default in every sweep cell: ``"accumulation_window": "auto"`` with its ``"auto"`` warm start (issue 30).
 
-The engine's default ``"auto"`` (:func:`ds_paci.core.config.auto_window`) runs a synchronous warm start until the mean loss of the last 8 calls is below 0.9 x the labels' unigram entropy (:mod:`ds_paci.core.program.warm_end`), then the look-ahead with one window ``max(P-1, ceil(M/3))``, per stage where ``M < P-1`` (``a_s = max(min(M, P-1), P-1-s, ceil(M/3))``). The sweep (``runs.jsonl``) has no such run: they are the candidates study's ``syncauto-auto`` runs of the sweep's cells (``docs/results/quality-candidates``, :mod:`ds_paci.tools.studies.candidates`; :func:`candidate_runs` checks that every field is the sweep's configuration), against the sweep's stock runs (the candidates study's stock runs that the sweep also stored agree with it to the figure :func:`agreement` gives, not bit for bit). The default before this change (the same windows without a warm start: one window ``P-1`` everywhere) is shown per seed where stored, from the sweep or the candidates' ``uniform-max`` runs. Cells without a run are listed (:func:`missing_runs`).
+The engine's default ``"auto"`` (:func:`ds_paci.core.config.auto_window`) runs a synchronous warm start until the
+mean loss of the last 8 calls is below 0.9 x the labels' unigram entropy (:mod:`ds_paci.core.program.warm_end`),
+then the look-ahead with one window ``max(P-1, ceil(M/3))``, per stage where ``M < P-1`` (``a_s = max(min(M, P-1),
+P-1-s, ceil(M/3))``). The sweep (``runs.jsonl``) has no such run: they are the candidates study's ``syncauto-auto``
+runs of the sweep's cells (``docs/results/quality-candidates``, :mod:`ds_paci.tools.studies.candidates`;
+:func:`candidate_runs` checks that every field is the sweep's configuration), against the sweep's stock runs (the
+candidates study's stock runs that the sweep also stored agree with it to the figure :func:`agreement` gives, not
+bit for bit). The default before this change (the same windows without a warm start: one window ``P-1`` everywhere)
+is shown per seed where stored, from the sweep or the candidates' ``uniform-max`` runs. Cells without a run are
+listed (:func:`missing_runs`).
 
 ``python -m ds_paci.tools.studies.quality --part default --out docs/results/quality [--candidates
 docs/results/quality-candidates]`` writes ``<out>/default.md``.

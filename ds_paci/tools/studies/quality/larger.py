@@ -1,10 +1,12 @@
 """One larger model: GPT-2 of 8 blocks x 256 on the Shakespeare corpus at emulated P = 4 (M = 4, 2) and P = 8 (M = 4, 8).
 
 Stock (the replay's sync mode), then PACI + look-ahead with the engine's default window ``a = M`` and with
-``"auto"`` (and, issue 30, after a synchronous warm start of ``sync_calls`` calls: ``syncK`` in a run's name), trained 1.5x stock's :data:`STEPS` (one drain at every validation, as the engine's curve study),
-so that the time to stock's final loss is defined. Time = steps x seconds per batch of the ideal emulated
-pipeline (``(M + P - 1)`` micro-batch slots per batch for stock and for the calls of a synchronous warm start,
-``M`` for PACI: the bubble is the only difference), since this model has no timed throughput rounds.
+``"auto"`` (and, issue 30, after a synchronous warm start of ``sync_calls`` calls: ``syncK`` in a run's name;
+``syncauto``: the engine's default ``"auto"`` warm start), trained 1.5x stock's :data:`STEPS` (one drain at every
+validation, as the engine's curve study), so that the time to stock's final loss is defined. The ``val128`` runs
+validate on 128 micro-batches instead of 16 (whose loss at one step is about 1% noisy). Time = steps x seconds per
+batch of the ideal emulated pipeline (``(M + P - 1)`` micro-batch slots per batch for stock and for the calls of a
+synchronous warm start, ``M`` for PACI: the bubble is the only difference), since this model has no timed throughput rounds.
 
 ``python -m ds_paci.tools.studies.quality --part larger --out docs/results/quality [--runs NAME ...]`` (resumable:
 one JSON line per run in ``<out>/larger.jsonl``; each run's validation losses also go, as they come, to
