@@ -33,16 +33,31 @@ from ..program.warm_end import AUTO, WarmEnd
 from .startup import emit
 
 
-def label_histogram(labels):
-    """Counts of the label ids in ``labels`` (a tensor, or a tuple/list whose first integer tensor holds them, as
-    Megatron's ``(labels, loss_mask)``), negative ids (an ``ignore_index``) left out; ``None``: no integer labels."""
+def label_counts(labels):
+    """Counts (a CPU tensor) of the label ids in ``labels`` (a tensor, or a tuple/list whose first integer tensor
+    holds them, as Megatron's ``(labels, loss_mask)``), negative ids (an ``ignore_index``) left out; ``None``: no
+    integer labels."""
     if isinstance(labels, (tuple, list)):
-        return next((h for h in map(label_histogram, labels) if h is not None), None)
+        return next((h for h in map(label_counts, labels) if h is not None), None)
     if not torch.is_tensor(labels) or labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         return None
     ids = labels.detach().reshape(-1).long()
-    ids = ids[ids >= 0]
-    return torch.bincount(ids.cpu()).tolist()
+    return torch.bincount(ids[ids >= 0].cpu())
+
+
+def label_histogram(labels):
+    """:func:`label_counts` as a list (``None``: no integer labels)."""
+    counts = label_counts(labels)
+    return None if counts is None else counts.tolist()
+
+
+def _add(total, counts):
+    if total is None:
+        return counts
+    if len(counts) > len(total):
+        total, counts = counts, total
+    total[:len(counts)] += counts
+    return total
 
 
 def _auto(engine) -> bool:
@@ -64,6 +79,7 @@ def setup(engine) -> None:
     engine._warm_call = False  # whether the call in progress is a warm one
     engine._warm_end = WarmEnd(engine.paci.sync_warmup_loss_ratio) if _auto(engine) else None
     engine._warm_unjudged = False  # "auto" on labels that are not token ids
+    engine._warm_labels = None  # the last stage's label counts of the warm call in progress (a tensor)
 
 
 def follow(engine) -> bool:
@@ -91,12 +107,11 @@ def follow(engine) -> bool:
 def seen(engine, batch):
     """A micro-batch the engine loads (returned as is); the last stage counts its labels in an ``"auto"`` warm call."""
     if engine._warm_call and engine._warm_end is not None and engine.is_last_stage():
-        labels = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
-        histogram = label_histogram(labels)
-        if histogram is None:
+        counts = label_counts(batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None)
+        if counts is None:
             engine._warm_unjudged = True
         else:
-            engine._warm_end.observe_labels(histogram)
+            engine._warm_labels = _add(engine._warm_labels, counts)
     return batch
 
 
@@ -107,6 +122,9 @@ def observed(engine, loss):
         return loss
     due = torch.zeros(1, dtype=torch.float32, device=engine.device)
     if engine.is_last_stage():
+        if engine._warm_labels is not None:  # one histogram per call: a vocabulary of 50k costs milliseconds
+            engine._warm_end.observe_labels(engine._warm_labels.tolist())
+            engine._warm_labels = None
         engine._warm_end.observe_loss(float(loss))
         due.fill_(1.0 if engine._warm_unjudged or engine._warm_end.due() else 0.0)
         if engine.is_data_parallel:  # every replica must end at the same call: all of them say so
