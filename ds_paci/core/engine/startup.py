@@ -116,7 +116,8 @@ def warm_start_line(paci, stock):
     if stock:
         return f"ds_paci: sync_warmup_calls = {calls!r} ignored: sync mode runs the stock schedule throughout"
     if calls == "auto":
-        until = (f"until the mean loss of the last 8 calls is below {paci.sync_warmup_loss_ratio:g} x the labels' "
+        from ..program.warm_end import SPAN
+        until = (f"until the mean loss of the last {SPAN} calls is below {paci.sync_warmup_loss_ratio:g} x the labels' "
                  "unigram entropy (the model has left the unigram plateau)")
     else:
         until = f"for calls 1-{calls}"

@@ -46,7 +46,6 @@ class WarmEnd:
         self.ratio, self.span = float(ratio), int(span)
         self.counts = []  # label id -> count over the warm start's calls
         self.losses = deque(maxlen=self.span)
-        self.calls = 0  # warm calls observed
 
     def observe_labels(self, histogram) -> None:
         """Add a histogram of label ids (a list of ints, ``histogram[i]``: how many labels equal ``i``); the engine
@@ -60,7 +59,6 @@ class WarmEnd:
     def observe_loss(self, loss: float) -> None:
         """Record one warm call's loss."""
         self.losses.append(float(loss))
-        self.calls += 1
 
     @property
     def entropy(self) -> float:
@@ -83,10 +81,8 @@ class WarmEnd:
                 f"unigram entropy {self.entropy:.4f}")
 
     def state_dict(self) -> dict:
-        return {"ratio": self.ratio, "span": self.span, "counts": list(self.counts), "losses": list(self.losses),
-                "calls": self.calls}
+        return {"ratio": self.ratio, "span": self.span, "counts": list(self.counts), "losses": list(self.losses)}
 
     def load_state_dict(self, state: dict) -> None:
         self.counts = [int(c) for c in state.get("counts", [])]
         self.losses = deque((float(x) for x in state.get("losses", [])), maxlen=self.span)
-        self.calls = int(state.get("calls", len(self.losses)))
